@@ -1,0 +1,1 @@
+//! GGUF files: reading (memory-mapped, validated, split sets) and writing.

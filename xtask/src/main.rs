@@ -1,0 +1,3 @@
+//! `cargo xtask`: project automation (model fetching, fixtures, verification).
+
+fn main() {}
