@@ -1,4 +1,4 @@
-//! Command-line interface of `plumbline`.
+//! Command-line interface of `plumbline`. One submodule per subcommand.
 
 use std::process::ExitCode;
 
@@ -20,5 +20,12 @@ pub fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
-    match cli.command {}
+    let result: anyhow::Result<()> = match cli.command {};
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
 }
