@@ -11,4 +11,8 @@
 //!
 //! Start reading at `gguf/mod.rs`.
 
+pub mod faults;
 pub mod gguf;
+pub mod model;
+pub mod runtime;
+pub mod taps;

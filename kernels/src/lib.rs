@@ -4,6 +4,9 @@
 //!   size assertion, the [`quant::GgmlType`] enum (type ids, block size, bytes per block, name),
 //!   and dequantize / quantize beside the struct they read. This is the one definition of every
 //!   block format in the workspace.
+//! - [`cpu`]: quantized matrix products on the CPU as ggml computes them (activations quantized
+//!   to the weight type's `vec_dot_type`, per-block integer dots), scalar + AVX2 + AVX-512 with
+//!   the instruction set chosen once in [`cpu::CpuKernels::new`].
 //!
 //! Architecture invariants:
 //! - `kernels` depends on no other workspace crate. The engine builds on it; the verification
@@ -14,4 +17,5 @@
 //!
 //! Start reading at `quant/types.rs`.
 
+pub mod cpu;
 pub mod quant;

@@ -184,10 +184,10 @@ mod tests {
         ];
         assert_eq!(&got[..16], &e2m1);
         assert_eq!(&got[16..], &e2m1);
-        // e = 130 → scale 2^2: code 7 (doubled 12) → 24
+        // e = 130 → E8M0 scale 2^3, code 7 is E2M1 6.0 → 48
         let mut block = vec![130u8];
         block.extend([0x07u8; 16]);
-        assert_eq!(ExtraType::Mxfp4.dequantize(&block)[0], 24.0);
+        assert_eq!(ExtraType::Mxfp4.dequantize(&block)[0], 48.0);
         // e = 0 → scale 2^−128, still representable (subnormal) in f32
         let mut block = vec![0u8];
         block.extend([0x01u8; 16]);

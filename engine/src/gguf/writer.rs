@@ -299,65 +299,61 @@ fn encode(
     tensors: &[&PendingTensor],
     alignment: u64,
 ) -> std::io::Result<()> {
-    let mut pos = 0u64;
-    let mut put = |w: &mut dyn Write, b: &[u8]| -> std::io::Result<()> {
-        pos += b.len() as u64;
-        w.write_all(b)
-    };
-    put(w, &MAGIC)?;
-    put(w, &3u32.to_le_bytes())?;
-    put(w, &(tensors.len() as u64).to_le_bytes())?;
-    put(w, &(md.len() as u64).to_le_bytes())?;
+    // The header (metadata and tensor infos) is built in memory: it is small next to the data,
+    // and its length decides the padding before the data section.
+    let mut h = Vec::new();
+    h.extend_from_slice(&MAGIC);
+    h.extend_from_slice(&3u32.to_le_bytes());
+    h.extend_from_slice(&(tensors.len() as u64).to_le_bytes());
+    h.extend_from_slice(&(md.len() as u64).to_le_bytes());
     for (k, v) in md {
-        put_str(&mut put, w, k)?;
-        put(w, &v.value_type().id().to_le_bytes())?;
-        put_value(&mut put, w, v)?;
+        put_str(&mut h, k);
+        h.extend_from_slice(&v.value_type().id().to_le_bytes());
+        put_value(&mut h, v);
     }
     let mut rel = 0u64;
     for t in tensors {
-        put_str(&mut put, w, &t.name)?;
-        put(w, &(t.dims.len() as u32).to_le_bytes())?;
+        put_str(&mut h, &t.name);
+        h.extend_from_slice(&(t.dims.len() as u32).to_le_bytes());
         for d in &t.dims {
-            put(w, &d.to_le_bytes())?;
+            h.extend_from_slice(&d.to_le_bytes());
         }
-        put(w, &t.ty.id().to_le_bytes())?;
-        put(w, &rel.to_le_bytes())?;
+        h.extend_from_slice(&t.ty.id().to_le_bytes());
+        h.extend_from_slice(&rel.to_le_bytes());
         rel = (rel + t.data.len() as u64).next_multiple_of(alignment);
     }
+    let padded = (h.len() as u64).next_multiple_of(alignment) as usize;
+    h.resize(padded, 0);
+    w.write_all(&h)?;
     let zeros = vec![0u8; alignment as usize];
-    let header_end = pos;
-    let pad = (header_end.next_multiple_of(alignment) - header_end) as usize;
-    put(w, &zeros[..pad])?;
     for t in tensors {
-        put(w, &t.data)?;
+        w.write_all(&t.data)?;
         let len = t.data.len() as u64;
         let pad = (len.next_multiple_of(alignment) - len) as usize;
-        put(w, &zeros[..pad])?;
+        w.write_all(&zeros[..pad])?;
     }
     Ok(())
 }
 
-type Put<'a> = dyn FnMut(&mut dyn Write, &[u8]) -> std::io::Result<()> + 'a;
-
-fn put_str(put: &mut Put<'_>, w: &mut dyn Write, s: &str) -> std::io::Result<()> {
-    put(w, &(s.len() as u64).to_le_bytes())?;
-    put(w, s.as_bytes())
+fn put_str(h: &mut Vec<u8>, s: &str) {
+    h.extend_from_slice(&(s.len() as u64).to_le_bytes());
+    h.extend_from_slice(s.as_bytes());
 }
 
-fn put_value(put: &mut Put<'_>, w: &mut dyn Write, v: &MetadataValue) -> std::io::Result<()> {
+fn put_value(h: &mut Vec<u8>, v: &MetadataValue) {
     match v {
-        MetadataValue::U8(x) => put(w, &x.to_le_bytes()),
-        MetadataValue::I8(x) => put(w, &x.to_le_bytes()),
-        MetadataValue::U16(x) => put(w, &x.to_le_bytes()),
-        MetadataValue::I16(x) => put(w, &x.to_le_bytes()),
-        MetadataValue::U32(x) => put(w, &x.to_le_bytes()),
-        MetadataValue::I32(x) => put(w, &x.to_le_bytes()),
-        MetadataValue::U64(x) => put(w, &x.to_le_bytes()),
-        MetadataValue::I64(x) => put(w, &x.to_le_bytes()),
-        MetadataValue::F32(x) => put(w, &x.to_le_bytes()),
-        MetadataValue::F64(x) => put(w, &x.to_le_bytes()),
-        MetadataValue::Bool(x) => put(w, &[u8::from(*x)]),
-        MetadataValue::String(s) => put_str(put, w, s),
+        MetadataValue::U8(x) => h.extend_from_slice(&x.to_le_bytes()),
+        MetadataValue::I8(x) => h.extend_from_slice(&x.to_le_bytes()),
+        MetadataValue::U16(x) => h.extend_from_slice(&x.to_le_bytes()),
+        MetadataValue::I16(x) => h.extend_from_slice(&x.to_le_bytes()),
+        MetadataValue::U32(x) => h.extend_from_slice(&x.to_le_bytes()),
+        MetadataValue::I32(x) => h.extend_from_slice(&x.to_le_bytes()),
+        MetadataValue::U64(x) => h.extend_from_slice(&x.to_le_bytes()),
+        MetadataValue::I64(x) => h.extend_from_slice(&x.to_le_bytes()),
+        MetadataValue::F32(x) => h.extend_from_slice(&x.to_le_bytes()),
+        MetadataValue::F64(x) => h.extend_from_slice(&x.to_le_bytes()),
+        MetadataValue::Bool(x) => h.push(u8::from(*x)),
+        MetadataValue::String(s) => put_str(h, s),
         MetadataValue::Array(items) => {
             // An empty array has no element to take the type from; u8 is as good as any, and
             // reads back as the same empty array.
@@ -365,12 +361,11 @@ fn put_value(put: &mut Put<'_>, w: &mut dyn Write, v: &MetadataValue) -> std::io
                 .first()
                 .map(MetadataValue::value_type)
                 .unwrap_or(ValueType::U8);
-            put(w, &ty.id().to_le_bytes())?;
-            put(w, &(items.len() as u64).to_le_bytes())?;
+            h.extend_from_slice(&ty.id().to_le_bytes());
+            h.extend_from_slice(&(items.len() as u64).to_le_bytes());
             for item in items {
-                put_value(put, w, item)?;
+                put_value(h, item);
             }
-            Ok(())
         }
     }
 }

@@ -9,9 +9,11 @@ use half::{bf16, f16};
 use rayon::prelude::*;
 
 use super::KernelError;
-use crate::quant::k_quants::BlockQ8K;
-use crate::quant::legacy::{BlockQ8_0, BlockQ8_1, QK};
-use crate::quant::{GgmlType, QK_K};
+use crate::quant::float::{quantize_bf16, quantize_f16};
+use crate::quant::legacy::QK;
+use crate::quant::{
+    quantize_q8_0, quantize_q8_1, quantize_q8k, BlockQ8K, BlockQ8_0, BlockQ8_1, GgmlType, QK_K,
+};
 
 /// The activation type ggml's dot product for weight type `ty` reads (`vec_dot_type`), or `None`
 /// when there is no CPU matrix product for `ty`.
@@ -82,7 +84,8 @@ impl QuantizedActivations {
 
     /// Quantize `n_tokens` rows of `k_dim` f32 values (`x`, row-major) to `act_ty`, one of F32,
     /// F16, BF16, Q8_0, Q8_1, Q8_K, with ggml's reference rounding. Rows are quantized in
-    /// parallel on rayon's current pool.
+    /// parallel on rayon's current pool, with
+    /// `kernels::quant`'s quantizers.
     pub fn quantize(
         &mut self,
         act_ty: GgmlType,
@@ -119,18 +122,16 @@ impl QuantizedActivations {
             GgmlType::F16 => {
                 resize(&mut self.f16s, n);
                 self.f16s
-                    .par_iter_mut()
-                    .zip(x.par_iter())
-                    .with_min_len(4096)
-                    .for_each(|(d, s)| *d = f16::from_f32(*s));
+                    .par_chunks_mut(4096)
+                    .zip(x.par_chunks(4096))
+                    .for_each(|(d, s)| quantize_f16(s, d));
             }
             GgmlType::BF16 => {
                 resize(&mut self.bf16s, n);
                 self.bf16s
-                    .par_iter_mut()
-                    .zip(x.par_iter())
-                    .with_min_len(4096)
-                    .for_each(|(d, s)| *d = bf16::from_f32(*s));
+                    .par_chunks_mut(4096)
+                    .zip(x.par_chunks(4096))
+                    .for_each(|(d, s)| quantize_bf16(s, d));
             }
             GgmlType::Q8_0 => {
                 let nb = k_dim / QK;
@@ -140,7 +141,7 @@ impl QuantizedActivations {
                         .par_chunks_mut(nb)
                         .zip(x.par_chunks(k_dim))
                         .with_min_len(min_len)
-                        .for_each(|(y, xr)| quantize_row_q8_0(xr, y));
+                        .for_each(|(y, xr)| quantize_q8_0(xr, y));
                 }
             }
             GgmlType::Q8_1 => {
@@ -151,7 +152,7 @@ impl QuantizedActivations {
                         .par_chunks_mut(nb)
                         .zip(x.par_chunks(k_dim))
                         .with_min_len(min_len)
-                        .for_each(|(y, xr)| quantize_row_q8_1(xr, y));
+                        .for_each(|(y, xr)| quantize_q8_1(xr, y));
                 }
             }
             GgmlType::Q8K => {
@@ -162,7 +163,7 @@ impl QuantizedActivations {
                         .par_chunks_mut(nb)
                         .zip(x.par_chunks(k_dim))
                         .with_min_len(min_len)
-                        .for_each(|(y, xr)| quantize_row_q8k(xr, y));
+                        .for_each(|(y, xr)| quantize_q8k(xr, y));
                 }
             }
             other => return Err(KernelError::NotAnActivationType { ty: other }),
@@ -217,63 +218,4 @@ impl QuantizedActivations {
 fn resize<T: Zeroable + Clone>(v: &mut Vec<T>, n: usize) {
     // Every element is overwritten by the quantizer; zeroing only what is new is enough.
     v.resize(n, T::zeroed());
-}
-
-/// ggml's `quantize_row_q8_0_ref`: per 32 values, `d = amax / 127`, `q = round(x / d)` (ties away
-/// from zero, as C's `roundf`).
-pub(crate) fn quantize_row_q8_0(x: &[f32], y: &mut [BlockQ8_0]) {
-    for (xb, yb) in x.chunks_exact(QK).zip(y.iter_mut()) {
-        let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let d = amax / 127.0;
-        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-        yb.d = f16::from_f32(d);
-        for (q, v) in yb.qs.iter_mut().zip(xb) {
-            *q = (v * id).round() as i8;
-        }
-    }
-}
-
-/// ggml's `quantize_row_q8_1_ref`: as Q8_0, plus `s = d * Σ q`.
-pub(crate) fn quantize_row_q8_1(x: &[f32], y: &mut [BlockQ8_1]) {
-    for (xb, yb) in x.chunks_exact(QK).zip(y.iter_mut()) {
-        let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let d = amax / 127.0;
-        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-        yb.d = f16::from_f32(d);
-        let mut sum = 0i32;
-        for (q, v) in yb.qs.iter_mut().zip(xb) {
-            *q = (v * id).round() as i8;
-            sum += i32::from(*q);
-        }
-        yb.s = f16::from_f32(sum as f32 * d);
-    }
-}
-
-/// ggml's `quantize_row_q8_K_ref`: per 256 values, scale by `-127 / max` where `max` is the value
-/// of largest magnitude (first one on ties), round half to even (ggml's `nearest_int`), clamp to
-/// 127, `d = 1 / iscale`, and sums of 16 for the k-quant mins.
-pub(crate) fn quantize_row_q8k(x: &[f32], y: &mut [BlockQ8K]) {
-    for (xb, yb) in x.chunks_exact(QK_K).zip(y.iter_mut()) {
-        let mut max = 0f32;
-        let mut amax = 0f32;
-        for &v in xb {
-            if v.abs() > amax {
-                amax = v.abs();
-                max = v;
-            }
-        }
-        if amax == 0.0 {
-            *yb = BlockQ8K::zeroed();
-            continue;
-        }
-        let iscale = -127.0 / max;
-        for (q, v) in yb.qs.iter_mut().zip(xb) {
-            let r = (iscale * v).round_ties_even() as i32;
-            *q = r.min(127) as i8;
-        }
-        for (s, qs) in yb.bsums.iter_mut().zip(yb.qs.chunks_exact(16)) {
-            *s = qs.iter().map(|&q| i16::from(q)).sum();
-        }
-        yb.d = 1.0 / iscale;
-    }
 }

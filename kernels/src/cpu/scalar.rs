@@ -15,7 +15,7 @@ use crate::quant::k_quants::{BlockQ2K, BlockQ3K, BlockQ4K, BlockQ5K, BlockQ6K, B
 use crate::quant::legacy::{
     BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ5_1, BlockQ8_0, BlockQ8_1,
 };
-use crate::quant::mxfp4::{BlockMxfp4, KVALUES_MXFP4};
+use crate::quant::mxfp4::{e8m0_to_f32_half, BlockMxfp4, KVALUES_MXFP4};
 
 /// Block `i` of a row of `B`s stored at any alignment.
 #[inline(always)]
@@ -70,17 +70,6 @@ pub(crate) fn scale_iq4xs(b: &BlockIq4Xs, ib: usize) -> i32 {
     let lo = (b.scales_l[ib / 2] >> (4 * (ib % 2))) & 0xF;
     let hi = ((b.scales_h >> (2 * ib)) & 3) as u8;
     i32::from(lo | (hi << 4)) - 32
-}
-
-/// ggml's `GGML_E8M0_TO_FP32_HALF`: half of the E8M0 scale, `2^(e - 128)`.
-#[inline(always)]
-pub(crate) fn e8m0_to_f32_half(e: u8) -> f32 {
-    let bits = if e < 2 {
-        0x0020_0000u32 << e
-    } else {
-        (u32::from(e) - 1) << 23
-    };
-    f32::from_bits(bits)
 }
 
 pub(super) fn dot_f32(w: &[u8], y: &[f32]) -> f32 {

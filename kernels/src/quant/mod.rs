@@ -160,7 +160,11 @@ pub fn as_blocks<B: bytemuck::Pod>(bytes: &[u8]) -> Result<Cow<'_, [B]>, QuantEr
     }
     match bytemuck::try_cast_slice::<u8, B>(bytes) {
         Ok(blocks) => Ok(Cow::Borrowed(blocks)),
-        Err(_) => Ok(Cow::Owned(bytemuck::pod_collect_to_vec(bytes))),
+        Err(_) => {
+            let mut owned = vec![B::zeroed(); bytes.len() / size];
+            bytemuck::cast_slice_mut::<B, u8>(&mut owned).copy_from_slice(bytes);
+            Ok(Cow::Owned(owned))
+        }
     }
 }
 

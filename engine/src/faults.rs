@@ -1,0 +1,157 @@
+//! Named faults for proving the verification harness (DESIGN.md, "Verification power").
+//!
+//! With the `fault-injection` feature, one fault may be active per process, chosen once from the
+//! environment variable `PLUMBLINE_FAULT` (a [`Fault::name`]) or by [`install`] before the first
+//! forward pass. Without the feature [`is_active`] is a constant `false` and every hook compiles
+//! out.
+
+use std::fmt;
+
+/// The environment variable naming the active fault.
+pub const ENV_VAR: &str = "PLUMBLINE_FAULT";
+
+/// A deliberate, named bug. Each says where it lives and which tap should first show it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Fault {
+    /// RoPE uses position `p + 1` for queries and keys (first seen at `blk.0.q`).
+    RopePositionOffByOne,
+    /// Layer 0 drops the residual add after attention (first seen at `blk.0.out`).
+    SkipResidualAdd,
+    /// Sliding-window layers let a query see one key more than the window (first seen at the
+    /// `attn` tap of a local layer, only once a sequence is longer than the window).
+    SlidingWindowOffByOne,
+    /// The top expert of the first token of every MoE layer outputs NaN (first seen at
+    /// `blk.{first moe layer}.ffn_out`).
+    NanInExpert,
+    /// The router takes ranks `0..k-1` and `k` instead of `0..k` (first seen at the first MoE
+    /// layer's `ffn_out`).
+    WrongRouterTopK,
+    /// The two halves of the query heads (two tensor-parallel shards) are swapped, as a loader
+    /// that placed shards in the wrong order would do (first seen at `blk.0.q`).
+    SwappedQkShards,
+}
+
+impl Fault {
+    pub const ALL: [Fault; 6] = [
+        Fault::RopePositionOffByOne,
+        Fault::SkipResidualAdd,
+        Fault::SlidingWindowOffByOne,
+        Fault::NanInExpert,
+        Fault::WrongRouterTopK,
+        Fault::SwappedQkShards,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Fault::RopePositionOffByOne => "rope-position-off-by-one",
+            Fault::SkipResidualAdd => "skip-residual-add",
+            Fault::SlidingWindowOffByOne => "sliding-window-off-by-one",
+            Fault::NanInExpert => "nan-in-expert",
+            Fault::WrongRouterTopK => "wrong-router-top-k",
+            Fault::SwappedQkShards => "swapped-qk-shards",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<Fault> {
+        Self::ALL.into_iter().find(|f| f.name() == name.trim())
+    }
+}
+
+impl fmt::Display for Fault {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Why the fault setting could not be used.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FaultError {
+    #[error("{ENV_VAR}: expected one of {}, found {found:?}", Fault::ALL.map(|f| f.name()).join(", "))]
+    Unknown { found: String },
+    #[error("a fault setting was already read or installed ({current:?}); it is chosen once per process")]
+    AlreadySet { current: Option<Fault> },
+    #[error("this build has no fault injection (build with the `fault-injection` feature)")]
+    NotCompiled,
+}
+
+#[cfg(feature = "fault-injection")]
+mod imp {
+    use std::sync::OnceLock;
+
+    use super::{Fault, FaultError, ENV_VAR};
+
+    static ACTIVE: OnceLock<Result<Option<Fault>, FaultError>> = OnceLock::new();
+
+    fn from_env() -> Result<Option<Fault>, FaultError> {
+        match std::env::var(ENV_VAR) {
+            Ok(v) if v.trim().is_empty() => Ok(None),
+            Ok(v) => Fault::from_name(&v)
+                .map(Some)
+                .ok_or(FaultError::Unknown { found: v }),
+            Err(_) => Ok(None),
+        }
+    }
+
+    pub fn setting() -> Result<Option<Fault>, FaultError> {
+        ACTIVE.get_or_init(from_env).clone()
+    }
+
+    pub fn install(fault: Option<Fault>) -> Result<(), FaultError> {
+        ACTIVE.set(Ok(fault)).map_err(|_| FaultError::AlreadySet {
+            current: ACTIVE.get().and_then(|r| r.clone().ok()).flatten(),
+        })
+    }
+
+    #[inline]
+    pub fn is_active(fault: Fault) -> bool {
+        matches!(ACTIVE.get_or_init(from_env), Ok(Some(f)) if *f == fault)
+    }
+}
+
+#[cfg(not(feature = "fault-injection"))]
+mod imp {
+    use super::{Fault, FaultError};
+
+    pub fn setting() -> Result<Option<Fault>, FaultError> {
+        Ok(None)
+    }
+
+    pub fn install(_fault: Option<Fault>) -> Result<(), FaultError> {
+        Err(FaultError::NotCompiled)
+    }
+
+    #[inline(always)]
+    pub fn is_active(_fault: Fault) -> bool {
+        false
+    }
+}
+
+/// The active fault (read from [`ENV_VAR`] on first use), or an error naming a bad setting.
+/// Commands call it at start so that a misspelt fault fails loudly instead of running clean.
+pub fn setting() -> Result<Option<Fault>, FaultError> {
+    imp::setting()
+}
+
+/// Choose the fault for this process before anything reads the setting.
+pub fn install(fault: Option<Fault>) -> Result<(), FaultError> {
+    imp::install(fault)
+}
+
+/// Whether `fault` is the active one. A constant `false` without the `fault-injection` feature.
+#[inline(always)]
+pub fn is_active(fault: Fault) -> bool {
+    imp::is_active(fault)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip() {
+        for f in Fault::ALL {
+            assert_eq!(Fault::from_name(f.name()), Some(f));
+        }
+        assert_eq!(Fault::from_name("no-such-fault"), None);
+    }
+}

@@ -1,0 +1,489 @@
+//! [`ModelConfig`]: the hyperparameters of a model, read from GGUF metadata with llama.cpp's keys.
+
+use crate::gguf::Gguf;
+
+use super::ModelError;
+
+/// The architecture families the engine runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Architecture {
+    /// Dense GQA transformer: `llama`, `mistral` (normal RoPE), `qwen2` (NeoX RoPE, QKV biases).
+    Llama,
+    /// Gemma 3: QK-norm, post-norms, sliding-window layers, GELU, scaled embeddings.
+    Gemma3,
+    /// DeepSeek-V2 style: MLA attention, MoE with shared experts, leading dense layers.
+    Deepseek2,
+}
+
+/// How RoPE pairs the dimensions of a head.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RopeStyle {
+    /// Adjacent pairs `(2i, 2i+1)` (ggml's `LLAMA_ROPE_TYPE_NORM`).
+    Normal,
+    /// Half-split pairs `(i, i + n_rot/2)` (ggml's `LLAMA_ROPE_TYPE_NEOX`).
+    Neox,
+}
+
+/// YaRN context extension (`rope.scaling.type = yarn`), ggml's parameters.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Yarn {
+    /// `rope.scaling.original_context_length`.
+    pub n_ctx_orig: usize,
+    /// Extrapolation mix; 1 for YaRN (llama.cpp's default when the scaling type is yarn).
+    pub ext_factor: f32,
+    pub beta_fast: f32,
+    pub beta_slow: f32,
+    /// Multiplies the rotation on top of YaRN's own `1 + 0.1·ln(1/freq_scale)` (llama.cpp's
+    /// `attn_factor`; DeepSeek-V2 passes the inverse so that the rotation keeps magnitude 1).
+    pub attn_factor: f32,
+}
+
+/// The RoPE of one layer.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RopeConfig {
+    pub style: RopeStyle,
+    /// Rotated dimensions per head (the first `n_rot` of a head, or all of MLA's rope part).
+    pub n_rot: usize,
+    pub freq_base: f32,
+    /// `1 / rope.scaling.factor` for linear and YaRN scaling, 1 otherwise.
+    pub freq_scale: f32,
+    pub yarn: Option<Yarn>,
+}
+
+/// Gated FFN activation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Activation {
+    Silu,
+    /// GELU, tanh approximation (ggml's `ggml_gelu`).
+    GeluTanh,
+}
+
+/// MLA dimensions (DeepSeek-V2).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MlaConfig {
+    /// 0: queries come from `attn_q` directly.
+    pub q_lora_rank: usize,
+    pub kv_lora_rank: usize,
+    pub qk_nope: usize,
+    pub qk_rope: usize,
+    pub v_head_dim: usize,
+}
+
+/// Router gating function (`expert_gating_func`: 1 softmax, 2 sigmoid).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Gating {
+    Softmax,
+    Sigmoid,
+}
+
+/// Mixture-of-experts parameters.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct MoeConfig {
+    pub n_expert: usize,
+    pub n_expert_used: usize,
+    pub n_expert_shared: usize,
+    pub n_ff_exp: usize,
+    /// The first `n_dense_lead` layers have a dense FFN.
+    pub n_dense_lead: usize,
+    pub weights_scale: f32,
+    pub weights_norm: bool,
+    pub gating: Gating,
+}
+
+/// Everything the forward pass needs to know about a model besides its weights.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelConfig {
+    pub arch: Architecture,
+    /// `general.architecture` as written in the file.
+    pub arch_name: String,
+    pub n_vocab: usize,
+    pub n_embd: usize,
+    pub n_layer: usize,
+    pub n_ctx_train: usize,
+    pub n_head: usize,
+    /// KV heads as cached (MLA in its expanded form: `n_head`).
+    pub n_head_kv: usize,
+    /// Query/key head width (MLA: `qk_nope + qk_rope`).
+    pub head_dim_k: usize,
+    pub head_dim_v: usize,
+    /// Dense FFN width.
+    pub n_ff: usize,
+    pub rms_eps: f32,
+    /// RoPE of global (full-attention) layers.
+    pub rope: RopeConfig,
+    /// RoPE of sliding-window layers.
+    pub rope_swa: RopeConfig,
+    /// Sliding window in tokens: a query at `p` sees keys at `p - window + 1 ..= p`.
+    pub sliding_window: Option<usize>,
+    /// Layer `i` is a sliding-window layer iff `i % swa_pattern < swa_pattern - 1` (0: none).
+    pub swa_pattern: usize,
+    /// Scale of `q·k` (llama.cpp's `kq_scale` or Gemma's `f_attention_scale`).
+    pub attn_scale: f32,
+    /// Multiplier of the token embeddings (Gemma: √n_embd).
+    pub embed_scale: Option<f32>,
+    /// `final_logit_softcapping`: logits become `c · tanh(logits / c)`.
+    pub final_logit_softcap: Option<f32>,
+    pub activation: Activation,
+    pub mla: Option<MlaConfig>,
+    pub moe: Option<MoeConfig>,
+}
+
+struct Keys<'a> {
+    gguf: &'a Gguf,
+    arch: &'a str,
+}
+
+impl Keys<'_> {
+    fn key(&self, k: &str) -> String {
+        format!("{}.{k}", self.arch)
+    }
+    fn usize(&self, k: &str) -> Result<usize, ModelError> {
+        let key = self.key(k);
+        let v = self.gguf.get_u64(&key)?;
+        usize::try_from(v).map_err(|_| ModelError::invalid(key, "a size that fits in usize", v))
+    }
+    fn usize_opt(&self, k: &str) -> Result<Option<usize>, ModelError> {
+        let key = self.key(k);
+        match self.gguf.get_u64_opt(&key)? {
+            None => Ok(None),
+            Some(v) => usize::try_from(v)
+                .map(Some)
+                .map_err(|_| ModelError::invalid(key, "a size that fits in usize", v)),
+        }
+    }
+    fn f32_opt(&self, k: &str) -> Result<Option<f32>, ModelError> {
+        Ok(self.gguf.get_f32_opt(&self.key(k))?)
+    }
+    fn positive(&self, k: &str) -> Result<usize, ModelError> {
+        let v = self.usize(k)?;
+        if v == 0 {
+            return Err(ModelError::invalid(self.key(k), "a value > 0", v));
+        }
+        Ok(v)
+    }
+}
+
+/// Upper bound on any single dimension read from metadata: keeps untrusted counts from sizing
+/// allocations (the largest real models are far below it).
+const MAX_DIM: usize = 1 << 24;
+
+impl ModelConfig {
+    /// Read the configuration of the model in `gguf`. Checks every size for consistency; tensor
+    /// shapes are checked against it when the weights are loaded.
+    pub fn from_gguf(gguf: &Gguf) -> Result<ModelConfig, ModelError> {
+        let arch_name = gguf.architecture()?.to_owned();
+        let arch = match arch_name.as_str() {
+            "llama" | "mistral" | "qwen2" => Architecture::Llama,
+            "gemma3" => Architecture::Gemma3,
+            "deepseek2" => Architecture::Deepseek2,
+            other => {
+                return Err(ModelError::UnsupportedArchitecture {
+                    found: other.to_owned(),
+                })
+            }
+        };
+        let k = Keys {
+            gguf,
+            arch: &arch_name,
+        };
+
+        let n_embd = k.positive("embedding_length")?;
+        let n_layer = k.positive("block_count")?;
+        let n_head = k.positive("attention.head_count")?;
+        let n_ctx_train = k.usize_opt("context_length")?.unwrap_or(4096);
+        let n_ff = k.usize_opt("feed_forward_length")?.unwrap_or(0);
+        let rms_eps = k
+            .f32_opt("attention.layer_norm_rms_epsilon")?
+            .ok_or_else(|| {
+                ModelError::invalid(k.key("attention.layer_norm_rms_epsilon"), "a value", "nothing")
+            })?;
+        if !(rms_eps.is_finite() && rms_eps >= 0.0) {
+            return Err(ModelError::invalid(
+                k.key("attention.layer_norm_rms_epsilon"),
+                "a finite value >= 0",
+                rms_eps,
+            ));
+        }
+        let n_vocab = match k.usize_opt("vocab_size")? {
+            Some(v) => v,
+            None => match gguf.tensor("token_embd.weight") {
+                Some(t) if t.dims.len() == 2 => usize::try_from(t.dims[1]).map_err(|_| {
+                    ModelError::invalid("token_embd.weight", "a vocab size", t.dims[1])
+                })?,
+                _ => {
+                    return Err(ModelError::MissingTensor {
+                        name: "token_embd.weight".into(),
+                    })
+                }
+            },
+        };
+
+        let default_head = n_embd / n_head;
+        let mut head_dim_k = k.usize_opt("attention.key_length")?.unwrap_or(default_head);
+        let mut head_dim_v = k
+            .usize_opt("attention.value_length")?
+            .unwrap_or(default_head);
+        let mut n_head_kv = k.usize_opt("attention.head_count_kv")?.unwrap_or(n_head);
+
+        let freq_base = k.f32_opt("rope.freq_base")?.unwrap_or(10_000.0);
+        let (freq_scale, mut yarn) = rope_scaling(&k, n_ctx_train)?;
+
+        let mut mla = None;
+        let mut moe = None;
+        let n_rot;
+        let style;
+        let activation;
+        let mut embed_scale = None;
+        let mut sliding_window = None;
+        let mut swa_pattern = 0;
+        let mut freq_base_swa = freq_base;
+        let mut freq_scale_swa = freq_scale;
+        let attn_scale;
+        match arch {
+            Architecture::Llama => {
+                n_rot = k.usize_opt("rope.dimension_count")?.unwrap_or(head_dim_k);
+                style = if arch_name == "qwen2" {
+                    RopeStyle::Neox
+                } else {
+                    RopeStyle::Normal
+                };
+                activation = Activation::Silu;
+                attn_scale = 1.0 / (head_dim_k as f32).sqrt();
+            }
+            Architecture::Gemma3 => {
+                n_rot = k.usize_opt("rope.dimension_count")?.unwrap_or(head_dim_k);
+                style = RopeStyle::Neox;
+                activation = Activation::GeluTanh;
+                embed_scale = Some((n_embd as f32).sqrt());
+                let window = k.positive("attention.sliding_window")?;
+                sliding_window = Some(window);
+                swa_pattern = 6;
+                freq_base_swa = k.f32_opt("rope.freq_base_swa")?.unwrap_or(10_000.0);
+                freq_scale_swa = 1.0;
+                // llama.cpp (after gemma_pytorch's config): 1/sqrt(n_embd/n_head) for the 27B
+                // (62 layers), 1/sqrt(key_length) for every other size.
+                attn_scale = if n_layer == 62 {
+                    1.0 / ((n_embd / n_head) as f32).sqrt()
+                } else {
+                    1.0 / (head_dim_k as f32).sqrt()
+                };
+            }
+            Architecture::Deepseek2 => {
+                style = RopeStyle::Normal;
+                activation = Activation::Silu;
+                n_rot = k.positive("rope.dimension_count")?;
+                // Files converted for absorbed MLA carry the per-head sizes under `_mla` keys.
+                if let Some(kl) = k.usize_opt("attention.key_length_mla")? {
+                    head_dim_k = kl;
+                }
+                if let Some(vl) = k.usize_opt("attention.value_length_mla")? {
+                    head_dim_v = vl;
+                }
+                if head_dim_k <= n_rot {
+                    return Err(ModelError::invalid(
+                        k.key("attention.key_length"),
+                        format!("more than rope.dimension_count ({n_rot})"),
+                        head_dim_k,
+                    ));
+                }
+                let cfg = MlaConfig {
+                    q_lora_rank: k.usize_opt("attention.q_lora_rank")?.unwrap_or(0),
+                    kv_lora_rank: k.positive("attention.kv_lora_rank")?,
+                    qk_nope: head_dim_k - n_rot,
+                    qk_rope: n_rot,
+                    v_head_dim: head_dim_v,
+                };
+                mla = Some(cfg);
+                n_head_kv = n_head;
+                let gating = match k.usize_opt("expert_gating_func")?.unwrap_or(1) {
+                    // 0 ("none") is what older DeepSeek-V2 files imply: softmax, as llama.cpp.
+                    0 | 1 => Gating::Softmax,
+                    2 => Gating::Sigmoid,
+                    other => {
+                        return Err(ModelError::invalid(
+                            k.key("expert_gating_func"),
+                            "1 (softmax) or 2 (sigmoid)",
+                            other,
+                        ))
+                    }
+                };
+                let n_expert = k.positive("expert_count")?;
+                let n_expert_used = k.positive("expert_used_count")?;
+                if n_expert_used > n_expert {
+                    return Err(ModelError::invalid(
+                        k.key("expert_used_count"),
+                        format!("at most expert_count ({n_expert})"),
+                        n_expert_used,
+                    ));
+                }
+                let weights_scale = k.f32_opt("expert_weights_scale")?.ok_or_else(|| {
+                    ModelError::invalid(k.key("expert_weights_scale"), "a value", "nothing")
+                })?;
+                moe = Some(MoeConfig {
+                    n_expert,
+                    n_expert_used,
+                    n_expert_shared: k.usize("expert_shared_count")?,
+                    n_ff_exp: k.positive("expert_feed_forward_length")?,
+                    n_dense_lead: k.usize("leading_dense_block_count")?,
+                    weights_scale,
+                    weights_norm: gguf
+                        .get_bool_opt(&k.key("expert_weights_norm"))?
+                        .unwrap_or(false),
+                    gating,
+                });
+                // llama.cpp's kq_scale: mscale² / sqrt(key_length), mscale = 1 + 0.1·log_mul·ln(factor)
+                // under YaRN (the rotation itself keeps magnitude 1), 1 otherwise.
+                let log_mul = k.f32_opt("rope.scaling.yarn_log_multiplier")?.unwrap_or(0.0);
+                let mscale = if yarn.is_some() {
+                    1.0 + log_mul * (1.0 / freq_scale).ln()
+                } else {
+                    1.0
+                };
+                attn_scale = mscale * mscale / (head_dim_k as f32).sqrt();
+                if let Some(y) = yarn.as_mut() {
+                    y.attn_factor = 1.0 / (1.0 + 0.1 * (1.0 / freq_scale).ln());
+                }
+            }
+        }
+
+        for (key, v) in [
+            ("embedding_length", n_embd),
+            ("block_count", n_layer),
+            ("attention.head_count", n_head),
+            ("attention.head_count_kv", n_head_kv),
+            ("attention.key_length", head_dim_k),
+            ("attention.value_length", head_dim_v),
+            ("feed_forward_length", n_ff),
+            ("vocab_size", n_vocab),
+        ] {
+            if v > MAX_DIM {
+                return Err(ModelError::invalid(k.key(key), format!("at most {MAX_DIM}"), v));
+            }
+        }
+        if n_head_kv == 0 || n_head % n_head_kv != 0 {
+            return Err(ModelError::invalid(
+                k.key("attention.head_count_kv"),
+                format!("a divisor of attention.head_count ({n_head})"),
+                n_head_kv,
+            ));
+        }
+        let rope_dims = mla.map_or(head_dim_k, |m| m.qk_rope);
+        if n_rot == 0 || n_rot > rope_dims || n_rot % 2 != 0 {
+            return Err(ModelError::invalid(
+                k.key("rope.dimension_count"),
+                format!("an even value in 2..={rope_dims}"),
+                n_rot,
+            ));
+        }
+        let final_logit_softcap = k
+            .f32_opt("final_logit_softcapping")?
+            .filter(|c| *c != 0.0);
+
+        let rope = RopeConfig {
+            style,
+            n_rot,
+            freq_base,
+            freq_scale,
+            yarn,
+        };
+        let rope_swa = RopeConfig {
+            freq_base: freq_base_swa,
+            freq_scale: freq_scale_swa,
+            yarn: if swa_pattern > 0 { None } else { yarn },
+            ..rope
+        };
+        Ok(ModelConfig {
+            arch,
+            arch_name,
+            n_vocab,
+            n_embd,
+            n_layer,
+            n_ctx_train,
+            n_head,
+            n_head_kv,
+            head_dim_k,
+            head_dim_v,
+            n_ff,
+            rms_eps,
+            rope,
+            rope_swa,
+            sliding_window,
+            swa_pattern,
+            attn_scale,
+            embed_scale,
+            final_logit_softcap,
+            activation,
+            mla,
+            moe,
+        })
+    }
+
+    /// Whether layer `il` attends through the sliding window.
+    pub fn is_swa_layer(&self, il: usize) -> bool {
+        self.sliding_window.is_some()
+            && self.swa_pattern > 0
+            && il % self.swa_pattern < self.swa_pattern - 1
+    }
+
+    /// The RoPE of layer `il`.
+    pub fn rope_for_layer(&self, il: usize) -> &RopeConfig {
+        if self.is_swa_layer(il) {
+            &self.rope_swa
+        } else {
+            &self.rope
+        }
+    }
+
+    /// Whether layer `il` has a MoE FFN.
+    pub fn is_moe_layer(&self, il: usize) -> bool {
+        self.moe.is_some_and(|m| il >= m.n_dense_lead)
+    }
+}
+
+/// `rope.scaling.*`: (freq_scale, YaRN parameters).
+fn rope_scaling(k: &Keys<'_>, n_ctx_train: usize) -> Result<(f32, Option<Yarn>), ModelError> {
+    let ty = k.gguf.get_str_opt(&k.key("rope.scaling.type"))?;
+    let factor = k.f32_opt("rope.scaling.factor")?;
+    let factor = match (ty, factor) {
+        (Some("none"), _) | (_, None) => {
+            // Older files: `rope.scale_linear`.
+            let lin = k.f32_opt("rope.scale_linear")?.unwrap_or(1.0);
+            return Ok((check_factor(k, "rope.scale_linear", lin)?, None));
+        }
+        (_, Some(f)) => f,
+    };
+    let freq_scale = check_factor(k, "rope.scaling.factor", factor)?;
+    match ty {
+        None | Some("linear") => Ok((freq_scale, None)),
+        Some("yarn") => {
+            let n_ctx_orig = k
+                .usize_opt("rope.scaling.original_context_length")?
+                .unwrap_or(n_ctx_train);
+            Ok((
+                freq_scale,
+                Some(Yarn {
+                    n_ctx_orig,
+                    ext_factor: 1.0,
+                    beta_fast: 32.0,
+                    beta_slow: 1.0,
+                    attn_factor: 1.0,
+                }),
+            ))
+        }
+        Some(other) => Err(ModelError::invalid(
+            k.key("rope.scaling.type"),
+            "none, linear or yarn",
+            other,
+        )),
+    }
+}
+
+fn check_factor(k: &Keys<'_>, key: &str, factor: f32) -> Result<f32, ModelError> {
+    if factor == 0.0 || factor == 1.0 {
+        return Ok(1.0);
+    }
+    if !(factor.is_finite() && factor > 0.0) {
+        return Err(ModelError::invalid(k.key(key), "a finite factor > 0", factor));
+    }
+    Ok(1.0 / factor)
+}

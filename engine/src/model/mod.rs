@@ -1,0 +1,299 @@
+//! Models: configuration from GGUF metadata, weight handles, and the forward pass of every
+//! supported architecture (`llama` family, `gemma3`, `deepseek2`).
+//!
+//! A [`Model`] owns the opened [`Gguf`]; its weights are checked slices of the file's maps (no
+//! dequantization at load except small norm vectors). The forward pass ([`forward`]) is one
+//! function for all architectures, with the differences read from [`ModelConfig`] and from
+//! which tensors a layer has. It runs on any [`crate::runtime::Backend`].
+//!
+//! Files: `config.rs` (metadata → [`ModelConfig`]), `weights.rs` (checked tensor handles),
+//! `forward.rs` (the forward pass), `error.rs`.
+
+mod config;
+mod error;
+pub(crate) mod forward;
+mod weights;
+
+use std::path::Path;
+
+use kernels::quant::dequantize;
+
+use crate::gguf::Gguf;
+
+pub use config::{
+    Activation, Architecture, Gating, MlaConfig, ModelConfig, MoeConfig, RopeConfig, RopeStyle,
+    Yarn,
+};
+pub use error::ModelError;
+pub use weights::Weight;
+
+use weights::Loader;
+
+/// Standard (GQA) attention weights.
+#[derive(Debug)]
+pub struct StdAttention {
+    pub wq: Weight,
+    pub wk: Weight,
+    pub wv: Weight,
+    pub bq: Option<Vec<f32>>,
+    pub bk: Option<Vec<f32>>,
+    pub bv: Option<Vec<f32>>,
+    /// Per-head RMSNorm weights (Gemma 3).
+    pub q_norm: Option<Vec<f32>>,
+    pub k_norm: Option<Vec<f32>>,
+}
+
+/// Multi-head latent attention weights (DeepSeek-V2), used in the expanded form.
+#[derive(Debug)]
+pub struct MlaAttention {
+    /// `attn_q_a`, `attn_q_a_norm`, `attn_q_b` when `q_lora_rank > 0`.
+    pub wq_a: Option<(Weight, Vec<f32>, Weight)>,
+    /// `attn_q` when `q_lora_rank == 0`.
+    pub wq: Option<Weight>,
+    pub wkv_a_mqa: Weight,
+    pub kv_a_norm: Vec<f32>,
+    pub wkv_b: Weight,
+}
+
+#[derive(Debug)]
+pub enum Attention {
+    Std(StdAttention),
+    Mla(MlaAttention),
+}
+
+/// A gated FFN: `down(act(gate(x)) * up(x))`.
+#[derive(Debug)]
+pub struct DenseFfn {
+    pub gate: Weight,
+    pub up: Weight,
+    pub down: Weight,
+}
+
+/// A mixture of experts with optional shared experts.
+#[derive(Debug)]
+pub struct MoeFfn {
+    /// Router `[n_embd, n_expert]`.
+    pub gate_inp: Weight,
+    /// Selection bias (`exp_probs_b`), used for choosing experts only.
+    pub exp_probs_b: Option<Vec<f32>>,
+    pub gate_exps: Weight,
+    pub up_exps: Weight,
+    pub down_exps: Weight,
+    pub shared: Option<DenseFfn>,
+}
+
+#[derive(Debug)]
+pub enum Ffn {
+    Dense(DenseFfn),
+    Moe(MoeFfn),
+}
+
+/// One transformer block.
+#[derive(Debug)]
+pub struct Layer {
+    pub attn_norm: Vec<f32>,
+    pub attn: Attention,
+    pub wo: Weight,
+    pub post_attn_norm: Option<Vec<f32>>,
+    pub ffn_norm: Vec<f32>,
+    pub ffn: Ffn,
+    pub post_ffn_norm: Option<Vec<f32>>,
+}
+
+/// A loaded model: the file, its configuration and checked weight handles.
+pub struct Model {
+    gguf: Gguf,
+    config: ModelConfig,
+    pub(crate) token_embd: Weight,
+    pub(crate) layers: Vec<Layer>,
+    pub(crate) output_norm: Vec<f32>,
+    /// The output head (`output`, or `token_embd` when tied).
+    pub(crate) output: Weight,
+}
+
+impl std::fmt::Debug for Model {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Model")
+            .field("config", &self.config)
+            .field("n_layers", &self.layers.len())
+            .finish()
+    }
+}
+
+impl Model {
+    /// Open a GGUF file (or split set) and load the model in it.
+    pub fn load(path: impl AsRef<Path>) -> Result<Model, ModelError> {
+        Model::from_gguf(Gguf::open(path)?)
+    }
+
+    /// Load the model of an opened file: read the configuration, then find and check every
+    /// tensor (name, dims, type, byte length).
+    pub fn from_gguf(gguf: Gguf) -> Result<Model, ModelError> {
+        let config = ModelConfig::from_gguf(&gguf)?;
+        let l = Loader { gguf: &gguf };
+        let c = &config;
+        let d = c.n_embd;
+        let token_embd = l.matrix("token_embd.weight", d, c.n_vocab)?;
+        let output_norm = l.vector("output_norm.weight", d)?;
+        let output = l
+            .matrix_opt("output.weight", d, c.n_vocab)?
+            .unwrap_or_else(|| token_embd.clone());
+        let mut layers = Vec::with_capacity(c.n_layer);
+        for il in 0..c.n_layer {
+            layers.push(load_layer(&l, c, il)?);
+        }
+        Ok(Model {
+            token_embd,
+            layers,
+            output_norm,
+            output,
+            config,
+            gguf,
+        })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    /// The file, for the tokenizer and for inspection.
+    pub fn gguf(&self) -> &Gguf {
+        &self.gguf
+    }
+
+    /// The bytes of a weight (all of its matrices).
+    pub fn data(&self, w: &Weight) -> &[u8] {
+        self.gguf.tensor_data(&w.info)
+    }
+
+    /// Dequantize the embedding row of `token` into `out` (`n_embd` values), unscaled.
+    pub fn embedding_row(&self, token: u32, out: &mut [f32]) -> Result<(), ModelError> {
+        let w = &self.token_embd;
+        let t = token as usize;
+        if t >= w.n_rows {
+            return Err(ModelError::invalid(
+                "token id",
+                format!("< n_vocab ({})", w.n_rows),
+                token,
+            ));
+        }
+        let bytes = &self.data(w)[t * w.row_bytes..(t + 1) * w.row_bytes];
+        dequantize(w.ty, bytes, out).map_err(|source| ModelError::Dequantize {
+            name: w.info.name.clone(),
+            source,
+        })
+    }
+}
+
+fn load_layer(l: &Loader<'_>, c: &ModelConfig, il: usize) -> Result<Layer, ModelError> {
+    let n = |s: &str| format!("blk.{il}.{s}.weight");
+    let b = |s: &str| format!("blk.{il}.{s}.bias");
+    let d = c.n_embd;
+    let gemma = c.arch == Architecture::Gemma3;
+    let attn = match c.mla {
+        None => {
+            let nq = c.n_head * c.head_dim_k;
+            let nk = c.n_head_kv * c.head_dim_k;
+            let nv = c.n_head_kv * c.head_dim_v;
+            Attention::Std(StdAttention {
+                wq: l.matrix(&n("attn_q"), d, nq)?,
+                wk: l.matrix(&n("attn_k"), d, nk)?,
+                wv: l.matrix(&n("attn_v"), d, nv)?,
+                bq: l.vector_opt(&b("attn_q"), nq)?,
+                bk: l.vector_opt(&b("attn_k"), nk)?,
+                bv: l.vector_opt(&b("attn_v"), nv)?,
+                q_norm: norm_opt(l, gemma, &n("attn_q_norm"), c.head_dim_k)?,
+                k_norm: norm_opt(l, gemma, &n("attn_k_norm"), c.head_dim_k)?,
+            })
+        }
+        Some(m) => {
+            let nq = c.n_head * (m.qk_nope + m.qk_rope);
+            let (wq_a, wq) = if m.q_lora_rank > 0 {
+                (
+                    Some((
+                        l.matrix(&n("attn_q_a"), d, m.q_lora_rank)?,
+                        l.vector(&n("attn_q_a_norm"), m.q_lora_rank)?,
+                        l.matrix(&n("attn_q_b"), m.q_lora_rank, nq)?,
+                    )),
+                    None,
+                )
+            } else {
+                (None, Some(l.matrix(&n("attn_q"), d, nq)?))
+            };
+            Attention::Mla(MlaAttention {
+                wq_a,
+                wq,
+                wkv_a_mqa: l.matrix(&n("attn_kv_a_mqa"), d, m.kv_lora_rank + m.qk_rope)?,
+                kv_a_norm: l.vector(&n("attn_kv_a_norm"), m.kv_lora_rank)?,
+                wkv_b: l.matrix(
+                    &n("attn_kv_b"),
+                    m.kv_lora_rank,
+                    c.n_head * (m.qk_nope + m.v_head_dim),
+                )?,
+            })
+        }
+    };
+    let wo = l.matrix(&n("attn_output"), c.n_head * c.head_dim_v, d)?;
+    let dense = |prefix: &str, n_ff: usize| -> Result<DenseFfn, ModelError> {
+        Ok(DenseFfn {
+            gate: l.matrix(&n(&format!("ffn_gate{prefix}")), d, n_ff)?,
+            up: l.matrix(&n(&format!("ffn_up{prefix}")), d, n_ff)?,
+            down: l.matrix(&n(&format!("ffn_down{prefix}")), n_ff, d)?,
+        })
+    };
+    let ffn = match c.moe {
+        Some(m) if il >= m.n_dense_lead => Ffn::Moe(MoeFfn {
+            gate_inp: l.matrix(&n("ffn_gate_inp"), d, m.n_expert)?,
+            exp_probs_b: l.vector_opt(&format!("blk.{il}.exp_probs_b.bias"), m.n_expert)?,
+            gate_exps: l.experts(&n("ffn_gate_exps"), d, m.n_ff_exp, m.n_expert)?,
+            up_exps: l.experts(&n("ffn_up_exps"), d, m.n_ff_exp, m.n_expert)?,
+            down_exps: l.experts(&n("ffn_down_exps"), m.n_ff_exp, d, m.n_expert)?,
+            shared: if m.n_expert_shared > 0 {
+                Some(dense("_shexp", m.n_ff_exp * m.n_expert_shared)?)
+            } else {
+                None
+            },
+        }),
+        _ => {
+            if c.n_ff == 0 {
+                return Err(ModelError::invalid(
+                    format!("{}.feed_forward_length", c.arch_name),
+                    "a value > 0",
+                    0,
+                ));
+            }
+            Ffn::Dense(dense("", c.n_ff)?)
+        }
+    };
+    Ok(Layer {
+        attn_norm: l.vector(&n("attn_norm"), d)?,
+        attn,
+        wo,
+        post_attn_norm: if gemma {
+            Some(l.vector(&n("post_attention_norm"), d)?)
+        } else {
+            None
+        },
+        ffn_norm: l.vector(&n("ffn_norm"), d)?,
+        ffn,
+        post_ffn_norm: if gemma {
+            Some(l.vector(&n("post_ffw_norm"), d)?)
+        } else {
+            None
+        },
+    })
+}
+
+/// A norm vector that `required` architectures must have and others may.
+fn norm_opt(
+    l: &Loader<'_>,
+    required: bool,
+    name: &str,
+    n: usize,
+) -> Result<Option<Vec<f32>>, ModelError> {
+    if required {
+        l.vector(name, n).map(Some)
+    } else {
+        l.vector_opt(name, n)
+    }
+}

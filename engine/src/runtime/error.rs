@@ -1,0 +1,62 @@
+//! Errors of the runtime (backends and sessions).
+
+use kernels::cpu::KernelError;
+use thiserror::Error;
+
+use crate::model::ModelError;
+
+#[derive(Debug, Error)]
+pub enum RuntimeError {
+    #[error("matmul {name}: {source}")]
+    Kernel {
+        name: String,
+        #[source]
+        source: KernelError,
+    },
+
+    #[error("backend: {0}")]
+    Backend(#[source] KernelError),
+
+    #[error("{op}: expected {expected} values, found {found}")]
+    Shape {
+        op: &'static str,
+        expected: usize,
+        found: usize,
+    },
+
+    #[error("building the thread pool: {0}")]
+    ThreadPool(String),
+
+    #[error("forward: expected at least one token, found none")]
+    NoTokens,
+
+    #[error("token {token} at index {index}: expected an id < n_vocab ({n_vocab})")]
+    TokenOutOfRange {
+        token: u32,
+        index: usize,
+        n_vocab: usize,
+    },
+
+    #[error("context: {n_past} cached + {n_new} new tokens exceed the session's {n_ctx}")]
+    ContextFull {
+        n_past: usize,
+        n_new: usize,
+        n_ctx: usize,
+    },
+
+    #[error(transparent)]
+    Model(#[from] ModelError),
+}
+
+/// Check that a buffer has the length an operation expects.
+#[inline]
+pub(crate) fn check_len(op: &'static str, expected: usize, found: usize) -> Result<(), RuntimeError> {
+    if expected != found {
+        return Err(RuntimeError::Shape {
+            op,
+            expected,
+            found,
+        });
+    }
+    Ok(())
+}

@@ -1,0 +1,482 @@
+//! The case matrix: every (model, weights, backend, TP × topology, speculation) combination
+//! `cargo xtask verify` knows, as serde values with stable names
+//! `model/weights/backend/tpN-topology/spec`, e.g. `gemma3-270m/q4_k_m/cpu-avx512/tp1-shm/off`.
+//!
+//! [`Matrix::enumerate`] keeps the matrix small: every model × weight type runs on the three CPU
+//! backends with TP 1 and no speculation; CUDA, tensor-parallel and speculative cases exist only for
+//! models marked `extended` (the real model and one fixture), on their first weight type.
+//! [`Case::skip_reason`] says why this machine (or this engine) cannot run a case: a skip is never a
+//! pass.
+
+mod axes;
+mod filter;
+mod glob;
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+pub use axes::{Backend, Spec, Topology, CUDA_ARCHS};
+pub use filter::{Axis, Filter};
+pub use glob::glob_match;
+
+use crate::error::{HarnessError, Result};
+use crate::tolerance::CaseContext;
+
+/// Tensor-parallel degrees of the matrix.
+pub const TP_DEGREES: [u32; 3] = [2, 4, 8];
+
+/// One case.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct Case {
+    /// Model: a fixture name (`llama`, `gemma3`, `deepseek2`) or a real model (`gemma3-270m`).
+    pub model: String,
+    /// Weight type of the file, e.g. `f32`, `q8_0`, `q4_k_m`.
+    pub weights: String,
+    pub backend: Backend,
+    pub tp: u32,
+    pub topology: Topology,
+    pub spec: Spec,
+}
+
+impl Case {
+    pub fn new(model: &str, weights: &str, backend: Backend, tp: u32, topology: Topology, spec: Spec) -> Case {
+        Case {
+            model: model.to_owned(),
+            weights: weights.to_owned(),
+            backend,
+            tp,
+            topology,
+            spec,
+        }
+    }
+
+    /// The stable name, `model/weights/backend/tpN-topology/spec`.
+    pub fn name(&self) -> String {
+        self.to_string()
+    }
+
+    /// What the tap comparison needs to know (weight class and backend).
+    pub fn context(&self) -> Result<CaseContext> {
+        CaseContext::new(&self.weights, &self.backend.to_string())
+    }
+
+    /// Why this case cannot run here, or `None` when it can. Reasons are checked in order:
+    /// hardware, interconnect, engine features, model files.
+    pub fn skip_reason(&self, machine: &MachineCaps) -> Option<String> {
+        let e = &machine.engine;
+        match self.backend {
+            Backend::CpuScalar => {}
+            Backend::CpuAvx2 if !machine.avx2 => return Some("CPU lacks AVX2".into()),
+            Backend::CpuAvx512 if !machine.avx512 => return Some("CPU lacks AVX-512".into()),
+            Backend::CpuAvx2 | Backend::CpuAvx512 => {}
+            Backend::Cuda { sm } => {
+                if machine.cuda_archs.is_empty() {
+                    return Some("no CUDA device".into());
+                }
+                let n = machine.cuda_archs.iter().filter(|&&a| a == sm).count();
+                if n == 0 {
+                    let found: Vec<String> = machine.cuda_archs.iter().map(|a| format!("sm_{a}")).collect();
+                    return Some(format!("no CUDA device of architecture sm_{sm} (found {})", found.join(", ")));
+                }
+                if !e.cuda {
+                    return Some("engine built without the `cuda` feature".into());
+                }
+                if self.tp as usize > n {
+                    return Some(format!("TP {} needs {} CUDA devices of sm_{sm}, found {n}", self.tp, self.tp));
+                }
+            }
+        }
+        match (self.topology, self.backend.is_cuda()) {
+            (Topology::Pcie | Topology::Nvlink, false) => {
+                return Some(format!("topology {} needs a CUDA backend", self.topology))
+            }
+            (_, _) if self.tp == 1 && self.topology != Topology::Shm => {
+                return Some(format!("TP 1 has no interconnect: name it tp1-shm, not tp1-{}", self.topology))
+            }
+            (Topology::Nvlink, true) if !machine.nvlink => return Some("no NVLink between the GPUs".into()),
+            _ => {}
+        }
+        if self.tp > 1 && !e.tensor_parallel {
+            return Some("tensor parallelism not implemented in the engine yet".into());
+        }
+        if self.spec != Spec::Off && !e.speculative {
+            return Some("speculative decoding not implemented yet".into());
+        }
+        if let Some(how) = machine.models_missing.get(&self.model) {
+            return Some(format!("model not fetched: run {how}"));
+        }
+        None
+    }
+}
+
+impl fmt::Display for Case {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{}/{}/{}/tp{}-{}/{}",
+            self.model, self.weights, self.backend, self.tp, self.topology, self.spec
+        )
+    }
+}
+
+impl FromStr for Case {
+    type Err = HarnessError;
+    fn from_str(name: &str) -> Result<Case> {
+        let bad = |why: &str| HarnessError::CaseName {
+            name: name.to_owned(),
+            why: why.to_owned(),
+        };
+        let parts: Vec<&str> = name.split('/').collect();
+        let [model, weights, backend, tp_topo, spec] = parts[..] else {
+            return Err(bad(&format!("expected 5 parts separated by '/', found {}", parts.len())));
+        };
+        if model.is_empty() || weights.is_empty() {
+            return Err(bad("model and weights must not be empty"));
+        }
+        let (tp, topology) = tp_topo
+            .strip_prefix("tp")
+            .and_then(|r| r.split_once('-'))
+            .ok_or_else(|| bad(&format!("expected tpN-topology, found `{tp_topo}`")))?;
+        let tp: u32 = tp
+            .parse()
+            .ok()
+            .filter(|&t| t >= 1 && tp.bytes().all(|b| b.is_ascii_digit()))
+            .ok_or_else(|| bad(&format!("expected a TP degree of at least 1, found `{tp}`")))?;
+        Ok(Case {
+            model: model.to_owned(),
+            weights: weights.to_owned(),
+            backend: backend.parse()?,
+            tp,
+            topology: topology.parse()?,
+            spec: spec.parse()?,
+        })
+    }
+}
+
+/// Where a model comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ModelSource {
+    /// A generated fixture (`cargo xtask fixtures`).
+    Fixture,
+    /// A real model (`cargo xtask fetch-model NAME`).
+    Real,
+}
+
+/// A model the matrix covers.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ModelEntry {
+    pub name: String,
+    pub source: ModelSource,
+    /// Weight types available for it, the primary one first.
+    pub weights: Vec<String>,
+    /// Whether its files are on this machine.
+    pub available: bool,
+    /// Whether CUDA, TP and speculation cases are enumerated for it.
+    pub extended: bool,
+}
+
+impl ModelEntry {
+    /// A fixture: not extended unless [`ModelEntry::extended`] says so.
+    pub fn fixture(name: &str, weights: &[&str], available: bool) -> ModelEntry {
+        ModelEntry {
+            name: name.to_owned(),
+            source: ModelSource::Fixture,
+            weights: weights.iter().map(|w| w.to_string()).collect(),
+            available,
+            extended: false,
+        }
+    }
+
+    /// A real model: always extended.
+    pub fn real(name: &str, weights: &[&str], available: bool) -> ModelEntry {
+        ModelEntry {
+            name: name.to_owned(),
+            source: ModelSource::Real,
+            weights: weights.iter().map(|w| w.to_string()).collect(),
+            available,
+            extended: true,
+        }
+    }
+
+    pub fn extended(mut self) -> ModelEntry {
+        self.extended = true;
+        self
+    }
+
+    /// The command that puts the model's files on this machine.
+    pub fn provide_command(&self) -> String {
+        match self.source {
+            ModelSource::Fixture => "cargo xtask fixtures".into(),
+            ModelSource::Real => format!("cargo xtask fetch-model {}", self.name),
+        }
+    }
+}
+
+/// What the engine (as built) can do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct EngineCaps {
+    pub cuda: bool,
+    pub tensor_parallel: bool,
+    pub speculative: bool,
+}
+
+/// What this machine has. Fill `avx2`/`avx512` from the kernels' runtime detection
+/// (`kernels::cpu::Isa::available()`), `cuda_archs` with one entry per device.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct MachineCaps {
+    pub avx2: bool,
+    pub avx512: bool,
+    /// Compute capability of each CUDA device as `major*10+minor` (90 for sm_90), one per device.
+    pub cuda_archs: Vec<u32>,
+    pub nvlink: bool,
+    pub engine: EngineCaps,
+    /// Model name → the command that provides it, for models whose files are absent.
+    pub models_missing: BTreeMap<String, String>,
+}
+
+impl MachineCaps {
+    /// Record which of `models` are missing (see [`Case::skip_reason`]).
+    pub fn with_models(mut self, models: &[ModelEntry]) -> MachineCaps {
+        for m in models.iter().filter(|m| !m.available) {
+            self.models_missing.insert(m.name.clone(), m.provide_command());
+        }
+        self
+    }
+
+    /// The CPU backend extended cases use: the best this CPU runs.
+    pub fn best_cpu_backend(&self) -> Backend {
+        if self.avx512 {
+            Backend::CpuAvx512
+        } else if self.avx2 {
+            Backend::CpuAvx2
+        } else {
+            Backend::CpuScalar
+        }
+    }
+
+    /// CUDA architectures extended TP/spec cases use: this machine's (distinct, ascending), or
+    /// sm_90 when there is none, so the report still lists them as skipped.
+    pub fn cuda_targets(&self) -> Vec<u32> {
+        let mut a = self.cuda_archs.clone();
+        a.sort_unstable();
+        a.dedup();
+        if a.is_empty() {
+            a.push(90);
+        }
+        a
+    }
+}
+
+/// The case matrix.
+pub struct Matrix;
+
+impl Matrix {
+    /// Every case for `models` on `machine`, in a stable order (models as given; CPU base cases,
+    /// then CUDA, TP, speculation). Skipped cases are included: filter, then ask
+    /// [`Case::skip_reason`].
+    pub fn enumerate(models: &[ModelEntry], machine: &MachineCaps) -> Vec<Case> {
+        let mut cases = Vec::new();
+        for m in models {
+            for w in &m.weights {
+                for b in Backend::CPU {
+                    cases.push(Case::new(&m.name, w, b, 1, Topology::Shm, Spec::Off));
+                }
+            }
+            let Some(w0) = m.weights.first().filter(|_| m.extended) else {
+                continue;
+            };
+            let cpu = machine.best_cpu_backend();
+            let cuda = machine.cuda_targets();
+            for sm in CUDA_ARCHS {
+                cases.push(Case::new(&m.name, w0, Backend::Cuda { sm }, 1, Topology::Shm, Spec::Off));
+            }
+            for tp in TP_DEGREES {
+                cases.push(Case::new(&m.name, w0, cpu, tp, Topology::Shm, Spec::Off));
+            }
+            for &sm in &cuda {
+                for tp in TP_DEGREES {
+                    for topo in [Topology::Pcie, Topology::Nvlink] {
+                        cases.push(Case::new(&m.name, w0, Backend::Cuda { sm }, tp, topo, Spec::Off));
+                    }
+                }
+            }
+            cases.push(Case::new(&m.name, w0, cpu, 1, Topology::Shm, Spec::TREE_B8K4));
+            cases.push(Case::new(&m.name, w0, cpu, 2, Topology::Shm, Spec::TREE_B8K4));
+            for &sm in &cuda {
+                cases.push(Case::new(&m.name, w0, Backend::Cuda { sm }, 1, Topology::Shm, Spec::TREE_B8K4));
+            }
+        }
+        cases
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn case(name: &str) -> Case {
+        match name.parse() {
+            Ok(c) => c,
+            Err(e) => panic!("{name}: {e}"),
+        }
+    }
+
+    fn models() -> Vec<ModelEntry> {
+        vec![
+            ModelEntry::real("gemma3-270m", &["q4_k_m"], false),
+            ModelEntry::fixture("llama", &["q4_0", "q8_0", "f16"], true).extended(),
+            ModelEntry::fixture("gemma3", &["q4_k", "f32"], true),
+        ]
+    }
+
+    fn avx2_box() -> MachineCaps {
+        MachineCaps {
+            avx2: true,
+            ..MachineCaps::default()
+        }
+        .with_models(&models())
+    }
+
+    #[test]
+    fn names_round_trip() {
+        for n in [
+            "gemma3-270m/q4_k_m/cpu-avx512/tp1-shm/off",
+            "llama/q4_0/cpu-scalar/tp1-shm/off",
+            "gemma3-270m/q4_k_m/cuda-sm90/tp1-shm/off",
+            "gemma3-270m/q4_k_m/cuda-sm90/tp2-pcie/off",
+            "gemma3-270m/q4_k_m/cpu-avx512/tp2-shm/tree-b8k4",
+        ] {
+            assert_eq!(case(n).name(), n);
+        }
+    }
+
+    #[test]
+    fn malformed_names_are_errors() {
+        for n in [
+            "llama/q4_0/cpu-scalar/tp1-shm",
+            "llama/q4_0/cpu-scalar/tp1-shm/off/x",
+            "llama/q4_0/cpu-scalar/1-shm/off",
+            "llama/q4_0/cpu-scalar/tp0-shm/off",
+            "llama/q4_0/cpu-scalar/tp+1-shm/off",
+            "llama/q4_0/gpu/tp1-shm/off",
+            "llama/q4_0/cpu-scalar/tp1-ib/off",
+            "llama/q4_0/cpu-scalar/tp1-shm/on",
+            "/q4_0/cpu-scalar/tp1-shm/off",
+        ] {
+            assert!(n.parse::<Case>().is_err(), "{n}");
+        }
+    }
+
+    #[test]
+    fn case_serializes_with_axis_spellings() {
+        let json = serde_json::to_string(&case("llama/q8_0/cuda-sm86/tp4-nvlink/tree-b8k4")).unwrap_or_default();
+        assert_eq!(
+            json,
+            r#"{"model":"llama","weights":"q8_0","backend":"cuda-sm86","tp":4,"topology":"nvlink","spec":"tree-b8k4"}"#
+        );
+    }
+
+    fn reason(name: &str, m: &MachineCaps) -> Option<String> {
+        case(name).skip_reason(m)
+    }
+
+    #[test]
+    fn skip_reasons() {
+        let m = avx2_box();
+        for (n, expect) in [
+            ("llama/q4_0/cpu-scalar/tp1-shm/off", None),
+            ("llama/q4_0/cpu-avx2/tp1-shm/off", None),
+            ("llama/q4_0/cpu-avx512/tp1-shm/off", Some("CPU lacks AVX-512")),
+            ("llama/q4_0/cuda-sm90/tp1-shm/off", Some("no CUDA device")),
+            ("llama/q4_0/cpu-avx2/tp2-shm/off", Some("tensor parallelism not implemented in the engine yet")),
+            ("llama/q4_0/cpu-avx2/tp1-shm/tree-b8k4", Some("speculative decoding not implemented yet")),
+            ("llama/q4_0/cpu-avx2/tp2-pcie/off", Some("topology pcie needs a CUDA backend")),
+            (
+                "gemma3-270m/q4_k_m/cpu-avx2/tp1-shm/off",
+                Some("model not fetched: run cargo xtask fetch-model gemma3-270m"),
+            ),
+        ] {
+            assert_eq!(reason(n, &m).as_deref(), expect, "{n}");
+        }
+    }
+
+    #[test]
+    fn gpu_skip_reasons() {
+        let m = MachineCaps {
+            cuda_archs: vec![90],
+            engine: EngineCaps {
+                cuda: true,
+                tensor_parallel: true,
+                speculative: true,
+            },
+            ..MachineCaps::default()
+        };
+        for (n, expect) in [
+            ("llama/q4_0/cuda-sm90/tp1-shm/off", None),
+            ("llama/q4_0/cuda-sm90/tp1-shm/tree-b8k4", None),
+            ("llama/q4_0/cuda-sm80/tp1-shm/off", Some("no CUDA device of architecture sm_80 (found sm_90)")),
+            ("llama/q4_0/cuda-sm90/tp2-pcie/off", Some("TP 2 needs 2 CUDA devices of sm_90, found 1")),
+            ("llama/q4_0/cuda-sm90/tp1-pcie/off", Some("TP 1 has no interconnect: name it tp1-shm, not tp1-pcie")),
+        ] {
+            assert_eq!(reason(n, &m).as_deref(), expect, "{n}");
+        }
+        let two = MachineCaps {
+            cuda_archs: vec![90, 90],
+            ..m.clone()
+        };
+        assert_eq!(reason("llama/q4_0/cuda-sm90/tp2-pcie/off", &two), None);
+        assert_eq!(reason("llama/q4_0/cuda-sm90/tp2-nvlink/off", &two).as_deref(), Some("no NVLink between the GPUs"));
+        let no_feature = MachineCaps {
+            engine: EngineCaps::default(),
+            ..m
+        };
+        assert_eq!(
+            reason("llama/q4_0/cuda-sm90/tp1-shm/off", &no_feature).as_deref(),
+            Some("engine built without the `cuda` feature")
+        );
+    }
+
+    #[test]
+    fn matrix_stays_small_and_names_are_unique() {
+        let m = avx2_box();
+        let cases = Matrix::enumerate(&models(), &m);
+        // Base: (1 + 3 + 2) weight types × 3 CPU backends = 18. Extended (gemma3-270m, llama):
+        // 6 CUDA + 3 CPU TP + 6 CUDA TP (sm90 stand-in) + 3 spec = 18 each.
+        assert_eq!(cases.len(), 18 + 2 * 18);
+        let names: std::collections::BTreeSet<String> = cases.iter().map(Case::name).collect();
+        assert_eq!(names.len(), cases.len());
+        for n in [
+            "gemma3-270m/q4_k_m/cpu-avx512/tp1-shm/off",
+            "gemma3-270m/q4_k_m/cuda-sm120/tp1-shm/off",
+            "gemma3-270m/q4_k_m/cuda-sm90/tp8-nvlink/off",
+            "gemma3-270m/q4_k_m/cpu-avx2/tp2-shm/tree-b8k4",
+            "llama/q4_0/cpu-avx2/tp4-shm/off",
+        ] {
+            assert!(names.contains(n), "{n}");
+        }
+        // The non-extended fixture and the non-primary weights get CPU TP 1 only.
+        assert!(cases
+            .iter()
+            .filter(|c| c.model == "gemma3" || c.weights == "f16")
+            .all(|c| !c.backend.is_cuda() && c.tp == 1 && c.spec == Spec::Off));
+        // Every case can be named and parsed back.
+        assert!(cases.iter().all(|c| case(&c.name()) == *c));
+    }
+
+    #[test]
+    fn on_this_box_only_cpu_tp1_cases_of_present_models_run() {
+        let m = avx2_box();
+        let runnable: Vec<String> = Matrix::enumerate(&models(), &m)
+            .into_iter()
+            .filter(|c| c.skip_reason(&m).is_none())
+            .map(|c| c.name())
+            .collect();
+        // llama 3 weights + gemma3 2 weights, on scalar and avx2.
+        assert_eq!(runnable.len(), 10);
+        assert!(runnable.iter().all(|n| n.contains("/tp1-shm/off") && !n.contains("avx512")));
+    }
+}

@@ -1,0 +1,705 @@
+//! Tap-by-tap comparison of the engine against the reference.
+//!
+//! [`tap_metrics`] computes the numbers for one pair of equal-length tensors; [`compare_taps`]
+//! pairs two forward passes' taps by name, applies the [`TolerancePolicy`], and names the first tap
+//! past tolerance in forward (reference) order — the finding a person should look at first.
+
+use std::collections::{BTreeMap, HashMap};
+
+use serde::{Deserialize, Serialize};
+
+use crate::float::fmt_sig;
+use crate::tap::{Tap, TapId, TapKind};
+use crate::tolerance::{CaseContext, Tolerance, TolerancePolicy};
+
+/// Where the largest absolute difference is, and the two values there.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct MaxAbsError {
+    #[serde(with = "crate::float")]
+    pub abs_error: f64,
+    pub flat_index: usize,
+    /// `[token, column]` of `flat_index` for a `[n_tokens, width]` tap.
+    pub token: usize,
+    pub column: usize,
+    pub engine: f32,
+    pub reference: f32,
+}
+
+/// NaN/Inf bookkeeping. Parity holds when every non-finite value appears at the same index with the
+/// same value class on both sides (NaN with NaN, +∞ with +∞, −∞ with −∞).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct NonFinite {
+    pub engine_nan: usize,
+    pub engine_inf: usize,
+    pub reference_nan: usize,
+    pub reference_inf: usize,
+    /// Indices where only one side is non-finite, or both are but of different classes.
+    pub mismatches: usize,
+    pub first_mismatch: Option<usize>,
+}
+
+impl NonFinite {
+    pub fn parity(&self) -> bool {
+        self.mismatches == 0
+    }
+}
+
+/// The metrics of one tap.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct TapMetrics {
+    /// Σ(a−b)²/Σb² over the indices where both sides are finite. 0/0 (both all zero) is 0;
+    /// x/0 with x > 0 (reference all zero, engine not) is +∞.
+    #[serde(with = "crate::float")]
+    pub nmse: f64,
+    /// `None` when no index has finite values on both sides.
+    pub max_abs: Option<MaxAbsError>,
+    /// a·b/(|a||b|) over finite pairs; 1 when both are all zero, 0 when exactly one is.
+    #[serde(with = "crate::float")]
+    pub cosine: f64,
+    pub non_finite: NonFinite,
+    /// Number of compared elements.
+    pub len: usize,
+}
+
+/// Metrics of `engine` against `reference`, both `[n_tokens, width]` row-major with the given
+/// `width` (used only to turn the max-error index into `[token, column]`). Accumulates in f64.
+/// The slices must have equal length; extra elements of the longer one are ignored (callers check
+/// shapes first and report a mismatch as a finding).
+pub fn tap_metrics(engine: &[f32], reference: &[f32], width: usize) -> TapMetrics {
+    let len = engine.len().min(reference.len());
+    let (mut err2, mut ref2, mut eng2, mut dot) = (0f64, 0f64, 0f64, 0f64);
+    let mut max_abs: Option<MaxAbsError> = None;
+    let mut nf = NonFinite::default();
+    for (i, (&a, &b)) in engine.iter().zip(reference).enumerate() {
+        nf.engine_nan += a.is_nan() as usize;
+        nf.engine_inf += a.is_infinite() as usize;
+        nf.reference_nan += b.is_nan() as usize;
+        nf.reference_inf += b.is_infinite() as usize;
+        if !a.is_finite() || !b.is_finite() {
+            let same_class = (a.is_nan() && b.is_nan()) || (a.is_infinite() && a == b);
+            if !same_class {
+                nf.mismatches += 1;
+                nf.first_mismatch.get_or_insert(i);
+            }
+            continue;
+        }
+        let (a64, b64) = (a as f64, b as f64);
+        let d = a64 - b64;
+        err2 += d * d;
+        ref2 += b64 * b64;
+        eng2 += a64 * a64;
+        dot += a64 * b64;
+        if max_abs.is_none_or(|m| d.abs() > m.abs_error) {
+            let w = width.max(1);
+            max_abs = Some(MaxAbsError {
+                abs_error: d.abs(),
+                flat_index: i,
+                token: i / w,
+                column: i % w,
+                engine: a,
+                reference: b,
+            });
+        }
+    }
+    let nmse = if ref2 > 0.0 {
+        err2 / ref2
+    } else if err2 == 0.0 {
+        0.0
+    } else {
+        f64::INFINITY
+    };
+    let cosine = match (eng2 > 0.0, ref2 > 0.0) {
+        (true, true) => (dot / (eng2.sqrt() * ref2.sqrt())).clamp(-1.0, 1.0),
+        (false, false) => 1.0,
+        _ => 0.0,
+    };
+    TapMetrics {
+        nmse,
+        max_abs,
+        cosine,
+        non_finite: nf,
+        len,
+    }
+}
+
+/// Why a compared tap failed its tolerance.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "check", rename_all = "snake_case")]
+pub enum Violation {
+    NonFiniteParity {
+        mismatches: usize,
+        first_index: Option<usize>,
+    },
+    Nmse {
+        #[serde(with = "crate::float")]
+        value: f64,
+        #[serde(with = "crate::float")]
+        max: f64,
+    },
+    Cosine {
+        #[serde(with = "crate::float")]
+        value: f64,
+        #[serde(with = "crate::float")]
+        min: f64,
+    },
+}
+
+impl std::fmt::Display for Violation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Violation::NonFiniteParity {
+                mismatches,
+                first_index,
+            } => {
+                write!(f, "NaN/Inf on one side only at {mismatches} indices")?;
+                if let Some(i) = first_index {
+                    write!(f, " (first {i})")?;
+                }
+                Ok(())
+            }
+            Violation::Nmse { value, max } => {
+                write!(f, "NMSE {} > {}", fmt_sig(*value), fmt_sig(*max))
+            }
+            Violation::Cosine { value, min } => {
+                write!(f, "cosine {} < {}", fmt_sig(*value), fmt_sig(*min))
+            }
+        }
+    }
+}
+
+/// The checks of one tap against its tolerance; empty when it passes.
+pub fn check_tolerance(m: &TapMetrics, tol: &Tolerance) -> Vec<Violation> {
+    let mut v = Vec::new();
+    if !m.non_finite.parity() {
+        v.push(Violation::NonFiniteParity {
+            mismatches: m.non_finite.mismatches,
+            first_index: m.non_finite.first_mismatch,
+        });
+    }
+    // `!(x <= max)` so that a NaN metric fails.
+    if !(m.nmse <= tol.nmse_max) {
+        v.push(Violation::Nmse {
+            value: m.nmse,
+            max: tol.nmse_max,
+        });
+    }
+    if !(m.cosine >= tol.cosine_min) {
+        v.push(Violation::Cosine {
+            value: m.cosine,
+            min: tol.cosine_min,
+        });
+    }
+    v
+}
+
+/// Something wrong with one tap.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Finding {
+    /// The reference emitted it, the engine did not.
+    MissingTap { tap: String },
+    /// The engine emitted it, the reference did not.
+    ExtraTap { tap: String },
+    /// The name is not one of `docs/TAPS.md`.
+    UnknownTapName { tap: String },
+    /// The same name twice on one side.
+    DuplicateTap { tap: String, side: Side },
+    ShapeMismatch {
+        tap: String,
+        engine: Vec<usize>,
+        reference: Vec<usize>,
+    },
+    /// `data.len()` is not the product of `shape`.
+    DataLength {
+        tap: String,
+        side: Side,
+        expected: usize,
+        found: usize,
+    },
+    PastTolerance {
+        tap: String,
+        violations: Vec<Violation>,
+    },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Side {
+    Engine,
+    Reference,
+}
+
+impl Finding {
+    pub fn tap(&self) -> &str {
+        match self {
+            Finding::MissingTap { tap }
+            | Finding::ExtraTap { tap }
+            | Finding::UnknownTapName { tap }
+            | Finding::DuplicateTap { tap, .. }
+            | Finding::ShapeMismatch { tap, .. }
+            | Finding::DataLength { tap, .. }
+            | Finding::PastTolerance { tap, .. } => tap,
+        }
+    }
+}
+
+impl std::fmt::Display for Finding {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let side = |s: &Side| match s {
+            Side::Engine => "engine",
+            Side::Reference => "reference",
+        };
+        match self {
+            Finding::MissingTap { tap } => write!(f, "{tap}: missing from the engine"),
+            Finding::ExtraTap { tap } => write!(f, "{tap}: emitted by the engine only"),
+            Finding::UnknownTapName { tap } => write!(f, "{tap}: not a tap name of docs/TAPS.md"),
+            Finding::DuplicateTap { tap, side: s } => {
+                write!(f, "{tap}: emitted twice by the {}", side(s))
+            }
+            Finding::ShapeMismatch {
+                tap,
+                engine,
+                reference,
+            } => write!(f, "{tap}: shape {engine:?} in the engine, {reference:?} in the reference"),
+            Finding::DataLength {
+                tap,
+                side: s,
+                expected,
+                found,
+            } => write!(
+                f,
+                "{tap}: {} data has {found} values, shape says {expected}",
+                side(s)
+            ),
+            Finding::PastTolerance { tap, violations } => {
+                write!(f, "{tap}: ")?;
+                for (i, v) in violations.iter().enumerate() {
+                    if i > 0 {
+                        f.write_str(", ")?;
+                    }
+                    write!(f, "{v}")?;
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
+/// One tap pair that could be compared.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TapComparison {
+    pub tap: String,
+    pub kind: TapKind,
+    pub layer: Option<usize>,
+    pub shape: Vec<usize>,
+    pub metrics: TapMetrics,
+    pub tolerance: Tolerance,
+    pub violations: Vec<Violation>,
+}
+
+impl TapComparison {
+    pub fn passed(&self) -> bool {
+        self.violations.is_empty()
+    }
+}
+
+/// The first problem in forward order, with where it sits in that order.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Divergence {
+    /// Position of the tap in the reference's forward order (engine-only taps come after it).
+    pub position: usize,
+    pub finding: Finding,
+}
+
+/// NMSE by layer for one tap kind, with the tolerance at each layer (for plots).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LayerSeries {
+    pub kind: TapKind,
+    pub points: Vec<LayerPoint>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct LayerPoint {
+    pub layer: usize,
+    #[serde(with = "crate::float")]
+    pub nmse: f64,
+    #[serde(with = "crate::float")]
+    pub nmse_max: f64,
+}
+
+/// Everything [`compare_taps`] found.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Comparison {
+    /// Compared taps in reference order.
+    pub taps: Vec<TapComparison>,
+    /// Every finding, in forward order (reference order, then engine-only taps).
+    pub findings: Vec<Finding>,
+    pub first_divergence: Option<Divergence>,
+    /// Layer count used for the depth of `output_norm` and `logits` (highest reference layer + 1).
+    pub n_layers: usize,
+}
+
+impl Comparison {
+    pub fn passed(&self) -> bool {
+        self.findings.is_empty()
+    }
+
+    /// NMSE by layer for each per-layer tap kind present, kinds in forward order.
+    pub fn layer_series(&self) -> Vec<LayerSeries> {
+        let mut by_kind: BTreeMap<TapKind, Vec<LayerPoint>> = BTreeMap::new();
+        for t in &self.taps {
+            if let Some(layer) = t.layer {
+                by_kind.entry(t.kind).or_default().push(LayerPoint {
+                    layer,
+                    nmse: t.metrics.nmse,
+                    nmse_max: t.tolerance.nmse_max,
+                });
+            }
+        }
+        by_kind
+            .into_iter()
+            .map(|(kind, mut points)| {
+                points.sort_by_key(|p| p.layer);
+                LayerSeries { kind, points }
+            })
+            .collect()
+    }
+
+    pub fn tap(&self, name: &str) -> Option<&TapComparison> {
+        self.taps.iter().find(|t| t.tap == name)
+    }
+}
+
+fn expected_len(shape: &[usize]) -> Option<usize> {
+    shape.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d))
+}
+
+/// Index taps by name; the first occurrence wins and every later one is a finding.
+fn index<'a>(
+    taps: &'a [Tap],
+    side: Side,
+    findings: &mut Vec<(usize, Finding)>,
+    order_base: usize,
+) -> HashMap<&'a str, &'a Tap> {
+    let mut map = HashMap::with_capacity(taps.len());
+    for (i, t) in taps.iter().enumerate() {
+        match map.entry(t.name.as_str()) {
+            std::collections::hash_map::Entry::Occupied(_) => findings.push((
+                order_base + i,
+                Finding::DuplicateTap {
+                    tap: t.name.clone(),
+                    side,
+                },
+            )),
+            std::collections::hash_map::Entry::Vacant(v) => {
+                v.insert(t);
+            }
+        }
+    }
+    map
+}
+
+/// Compare the engine's taps with the reference's: pair by name, check names, shapes and data
+/// lengths, compute metrics, apply the policy. Findings are ordered by the reference's forward
+/// order; engine-only taps follow in the engine's order. The first finding is the first divergence.
+pub fn compare_taps(
+    engine: &[Tap],
+    reference: &[Tap],
+    policy: &TolerancePolicy,
+    ctx: &CaseContext,
+) -> Comparison {
+    let mut findings: Vec<(usize, Finding)> = Vec::new();
+    let ref_by_name = index(reference, Side::Reference, &mut findings, 0);
+    // Engine-side duplicates are ordered with the engine-only block.
+    let eng_by_name = index(engine, Side::Engine, &mut findings, reference.len());
+    let n_layers = reference
+        .iter()
+        .filter_map(|t| TapId::parse(&t.name).and_then(|id| id.layer))
+        .max()
+        .map_or(0, |l| l + 1);
+
+    let mut taps = Vec::new();
+    let mut seen = std::collections::HashSet::new();
+    for (pos, r) in reference.iter().enumerate() {
+        if !seen.insert(r.name.as_str()) {
+            continue;
+        }
+        let name = r.name.clone();
+        let Some(id) = TapId::parse(&r.name) else {
+            findings.push((pos, Finding::UnknownTapName { tap: name }));
+            continue;
+        };
+        let Some(e) = eng_by_name.get(r.name.as_str()) else {
+            findings.push((pos, Finding::MissingTap { tap: name }));
+            continue;
+        };
+        if e.shape != r.shape {
+            findings.push((
+                pos,
+                Finding::ShapeMismatch {
+                    tap: name,
+                    engine: e.shape.clone(),
+                    reference: r.shape.clone(),
+                },
+            ));
+            continue;
+        }
+        let bad_len = [(Side::Reference, r), (Side::Engine, *e)]
+            .into_iter()
+            .find_map(|(side, t)| {
+                let expected = expected_len(&t.shape).unwrap_or(usize::MAX);
+                (t.data.len() != expected).then_some(Finding::DataLength {
+                    tap: name.clone(),
+                    side,
+                    expected,
+                    found: t.data.len(),
+                })
+            });
+        if let Some(f) = bad_len {
+            findings.push((pos, f));
+            continue;
+        }
+        let width = r.shape.last().copied().unwrap_or(1);
+        let metrics = tap_metrics(&e.data, &r.data, width);
+        let tolerance = policy.tolerance(id.kind, id.layer, n_layers, ctx);
+        let violations = check_tolerance(&metrics, &tolerance);
+        if !violations.is_empty() {
+            findings.push((
+                pos,
+                Finding::PastTolerance {
+                    tap: name.clone(),
+                    violations: violations.clone(),
+                },
+            ));
+        }
+        taps.push(TapComparison {
+            tap: name,
+            kind: id.kind,
+            layer: id.layer,
+            shape: r.shape.clone(),
+            metrics,
+            tolerance,
+            violations,
+        });
+    }
+    let mut extra_seen = std::collections::HashSet::new();
+    for (i, e) in engine.iter().enumerate() {
+        if !ref_by_name.contains_key(e.name.as_str()) && extra_seen.insert(e.name.as_str()) {
+            findings.push((reference.len() + i, Finding::ExtraTap { tap: e.name.clone() }));
+        }
+    }
+    // Stable: at equal positions the order of discovery is kept.
+    findings.sort_by_key(|(pos, _)| *pos);
+    let first_divergence = findings.first().map(|(position, finding)| Divergence {
+        position: *position,
+        finding: finding.clone(),
+    });
+    Comparison {
+        taps,
+        findings: findings.into_iter().map(|(_, f)| f).collect(),
+        first_divergence,
+        n_layers,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ctx() -> CaseContext {
+        match CaseContext::new("f32", "cpu-scalar") {
+            Ok(c) => c,
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    fn check_metrics(a: &[f32], b: &[f32], nmse: f64, cosine: f64) {
+        let m = tap_metrics(a, b, a.len());
+        let close = |x: f64, y: f64| (x == y) || (x - y).abs() <= 1e-12 * y.abs().max(1.0);
+        assert!(close(m.nmse, nmse), "nmse {} != {nmse} for {a:?} vs {b:?}", m.nmse);
+        assert!(close(m.cosine, cosine), "cosine {} != {cosine} for {a:?} vs {b:?}", m.cosine);
+    }
+
+    #[test]
+    fn nmse_and_cosine_by_hand() {
+        check_metrics(&[1.0, 2.0], &[1.0, 2.0], 0.0, 1.0);
+        // err² = 1, ref² = 1+4 = 5.
+        check_metrics(&[1.0, 3.0], &[1.0, 2.0], 0.2, 7.0 / (10f64.sqrt() * 5f64.sqrt()));
+        // Orthogonal, same norm: NMSE 2, cosine 0.
+        check_metrics(&[0.0, 1.0], &[1.0, 0.0], 2.0, 0.0);
+        // Scaled: NMSE (2−1)² = 1, cosine 1 (NMSE sees scale, cosine does not).
+        check_metrics(&[2.0, 4.0], &[1.0, 2.0], 1.0, 1.0);
+        check_metrics(&[-1.0, -2.0], &[1.0, 2.0], 4.0, -1.0);
+    }
+
+    #[test]
+    fn zero_reference_cases() {
+        check_metrics(&[0.0, 0.0], &[0.0, 0.0], 0.0, 1.0);
+        check_metrics(&[0.0, 1e-3], &[0.0, 0.0], f64::INFINITY, 0.0);
+        check_metrics(&[], &[], 0.0, 1.0);
+    }
+
+    #[test]
+    fn max_abs_error_reports_position_and_values() {
+        let m = tap_metrics(&[1.0, 2.0, 3.0, 4.0, 5.5, 6.0], &[1.0, 2.0, 3.0, 4.0, 5.0, 6.1], 3);
+        let Some(mx) = m.max_abs else { panic!("no max abs") };
+        assert_eq!((mx.flat_index, mx.token, mx.column), (4, 1, 1));
+        assert_eq!((mx.engine, mx.reference), (5.5, 5.0));
+        assert!((mx.abs_error - 0.5).abs() < 1e-12);
+    }
+
+    #[test]
+    fn nan_on_one_side_breaks_parity_whatever_the_numbers() {
+        let m = tap_metrics(&[1.0, f32::NAN, 3.0], &[1.0, 2.0, 3.0], 3);
+        assert_eq!(m.non_finite.mismatches, 1);
+        assert_eq!(m.non_finite.first_mismatch, Some(1));
+        // The NaN index is excluded from the sums: the rest agrees exactly.
+        assert_eq!(m.nmse, 0.0);
+        let tol = Tolerance { nmse_max: 1.0, cosine_min: 0.0 };
+        assert!(matches!(
+            check_tolerance(&m, &tol).as_slice(),
+            [Violation::NonFiniteParity { mismatches: 1, first_index: Some(1) }]
+        ));
+    }
+
+    #[test]
+    fn matching_non_finite_values_keep_parity() {
+        let inf = f32::INFINITY;
+        let m = tap_metrics(&[f32::NAN, inf, -inf, 1.0], &[f32::NAN, inf, -inf, 1.0], 4);
+        assert!(m.non_finite.parity());
+        assert_eq!((m.non_finite.engine_nan, m.non_finite.reference_inf), (1, 2));
+        let m = tap_metrics(&[inf, 1.0], &[-inf, 1.0], 2);
+        assert_eq!(m.non_finite.mismatches, 1);
+        let m = tap_metrics(&[f32::NAN, 1.0], &[inf, 1.0], 2);
+        assert_eq!(m.non_finite.mismatches, 1);
+    }
+
+    #[test]
+    fn a_nan_metric_fails_the_tolerance() {
+        let m = TapMetrics {
+            nmse: f64::NAN,
+            max_abs: None,
+            cosine: f64::NAN,
+            non_finite: NonFinite::default(),
+            len: 0,
+        };
+        let tol = Tolerance { nmse_max: 1.0, cosine_min: 0.0 };
+        assert_eq!(check_tolerance(&m, &tol).len(), 2);
+    }
+
+    // A tiny forward pass: embed, two layers of (q, out), logits; two tokens, width 4.
+    fn pass(perturb: impl Fn(&str, usize) -> f32) -> Vec<Tap> {
+        let mut names = vec!["embed".to_owned()];
+        for l in 0..2 {
+            names.push(format!("blk.{l}.q"));
+            names.push(format!("blk.{l}.out"));
+        }
+        names.push("logits".into());
+        names
+            .into_iter()
+            .map(|n| {
+                let data = (0..8).map(|i| 1.0 + i as f32 + perturb(&n, i)).collect();
+                Tap::new(n, vec![2, 4], data)
+            })
+            .collect()
+    }
+
+    fn first(c: &Comparison) -> Option<String> {
+        c.first_divergence.as_ref().map(|d| d.finding.to_string())
+    }
+
+    #[test]
+    fn identical_passes_have_no_findings() {
+        let p = pass(|_, _| 0.0);
+        let c = compare_taps(&p, &p, &TolerancePolicy::default(), &ctx());
+        assert!(c.passed(), "{:?}", c.findings);
+        assert_eq!(c.taps.len(), 6);
+        assert_eq!(c.n_layers, 2);
+    }
+
+    #[test]
+    fn names_the_first_tap_past_tolerance_in_forward_order() {
+        let reference = pass(|_, _| 0.0);
+        // blk.1.q is off by a lot, and so is everything after it (as a real bug would cascade);
+        // blk.0.q gets a perturbation well within f32 tolerance.
+        let engine = pass(|n, i| match n {
+            "blk.0.q" if i == 0 => 1e-6,
+            "blk.1.q" | "blk.1.out" | "logits" => 0.5,
+            _ => 0.0,
+        });
+        let c = compare_taps(&engine, &reference, &TolerancePolicy::default(), &ctx());
+        let d = c.first_divergence.as_ref().map(|d| (d.position, d.finding.tap().to_owned()));
+        assert_eq!(d, Some((3, "blk.1.q".to_owned())));
+        assert_eq!(c.findings.len(), 3);
+        assert!(c.tap("blk.0.q").is_some_and(|t| t.passed() && t.metrics.nmse > 0.0));
+    }
+
+    #[test]
+    fn missing_extra_and_shape_findings() {
+        let reference = pass(|_, _| 0.0);
+        let mut engine = reference.clone();
+        engine.retain(|t| t.name != "blk.0.out");
+        engine.push(Tap::new("blk.0.router", vec![2, 4], vec![0.0; 8]));
+        if let Some(t) = engine.iter_mut().find(|t| t.name == "blk.1.q") {
+            t.shape = vec![4, 2];
+        }
+        let c = compare_taps(&engine, &reference, &TolerancePolicy::default(), &ctx());
+        let got: Vec<String> = c.findings.iter().map(|f| f.to_string()).collect();
+        assert_eq!(
+            got,
+            [
+                "blk.0.out: missing from the engine",
+                "blk.1.q: shape [4, 2] in the engine, [2, 4] in the reference",
+                "blk.0.router: emitted by the engine only",
+            ]
+        );
+        assert_eq!(first(&c).as_deref(), Some("blk.0.out: missing from the engine"));
+    }
+
+    #[test]
+    fn bad_data_length_unknown_and_duplicate_names() {
+        let mut reference = pass(|_, _| 0.0);
+        reference.insert(1, Tap::new("blk.0.attn_q", vec![1, 1], vec![0.0]));
+        let mut engine = pass(|_, _| 0.0);
+        engine[0].data.pop();
+        engine.push(engine[1].clone());
+        let c = compare_taps(&engine, &reference, &TolerancePolicy::default(), &ctx());
+        let got: Vec<String> = c.findings.iter().map(|f| f.to_string()).collect();
+        assert_eq!(
+            got,
+            [
+                "embed: engine data has 7 values, shape says 8",
+                "blk.0.attn_q: not a tap name of docs/TAPS.md",
+                "blk.0.q: emitted twice by the engine",
+            ]
+        );
+    }
+
+    #[test]
+    fn nan_in_engine_is_the_finding_even_when_numbers_agree() {
+        let reference = pass(|_, _| 0.0);
+        let mut engine = reference.clone();
+        engine[2].data[5] = f32::NAN;
+        let c = compare_taps(&engine, &reference, &TolerancePolicy::default(), &ctx());
+        assert_eq!(
+            first(&c).as_deref(),
+            Some("blk.0.out: NaN/Inf on one side only at 1 indices (first 5)")
+        );
+    }
+
+    #[test]
+    fn layer_series_by_kind() {
+        let reference = pass(|_, _| 0.0);
+        let engine = pass(|n, i| if n == "blk.1.out" && i == 0 { 1.0 } else { 0.0 });
+        let c = compare_taps(&engine, &reference, &TolerancePolicy::default(), &ctx());
+        let s = c.layer_series();
+        let kinds: Vec<TapKind> = s.iter().map(|s| s.kind).collect();
+        assert_eq!(kinds, [TapKind::Q, TapKind::Out]);
+        let out: Vec<(usize, f64)> = s[1].points.iter().map(|p| (p.layer, p.nmse)).collect();
+        // blk.1.out: data 1..=8, Σb² = 204, one element off by 1.
+        assert_eq!(out.len(), 2);
+        assert_eq!(out[0], (0, 0.0));
+        assert!((out[1].1 - 1.0 / 204.0).abs() < 1e-12);
+        assert!(s[1].points[0].nmse_max < s[1].points[1].nmse_max);
+    }
+}

@@ -1,0 +1,383 @@
+//! `deepseek2`: multi-head latent attention (MLA) and a mixture of experts with shared experts
+//! (llama.cpp `llm_build_deepseek2` and `build_moe_ffn`), computed in the plain "decompressed"
+//! form: the latent KV is expanded to full per-head keys and values and attention is ordinary MHA.
+//!
+//! Attention of one layer, with `n = rmsnorm(x)·attn_norm`:
+//! - `q = Wq_b · (rmsnorm(Wq_a·n)·q_a_norm)` (or `Wq·n` when `q_lora_rank` is 0), per head
+//!   `[nope | rope]`;
+//! - `[c | k_pe] = Wkv_a_mqa·n`, `c` of width `kv_lora_rank`, `k_pe` one shared rope head;
+//! - normal (adjacent-pair) RoPE on `q_pe` and `k_pe`;
+//! - `[k_nope | v] = Wkv_b · (rmsnorm(c)·kv_a_norm)` per head (or `attn_k_b` / `attn_v_b` when
+//!   the file stores the split form); `k = [k_nope | k_pe]`, `k_pe` broadcast to every head;
+//! - scale `1/√(nope + rope)`.
+//!
+//! MoE (layers from `leading_dense_block_count` on), with `m = rmsnorm(h)·ffn_norm`:
+//! router logits `Wr·m`; probabilities by softmax or sigmoid (`expert_gating_func` 1 or 2; absent
+//! means softmax); experts chosen by top-k of `probs + exp_probs_b` (the bias steers selection
+//! only); weights are the unbiased `probs` of the chosen experts, divided by their sum (clamped
+//! below at 2⁻¹⁴) when `expert_weights_norm`, times `expert_weights_scale`; output
+//! `Σ wₑ·expertₑ(m) + shared(m)`.
+
+use candle_core::{DType, Device, Tensor};
+
+use super::{embed, embedding_and_head, Loader};
+use crate::error::ReferenceError;
+use crate::ops::{
+    attention, causal_mask, gated_ffn, linear, rms_norm, tap, Activation, Result, Rope,
+    RopeLayout, Taps,
+};
+
+/// llama.cpp's floor for the sum of selected expert weights before normalizing (the smallest
+/// normal f16, `6.103515625e-5`).
+const WEIGHT_SUM_FLOOR: f64 = 6.103_515_625e-5;
+
+enum Query {
+    Direct(Tensor),
+    LowRank { a: Tensor, norm: Tensor, b: Tensor },
+}
+
+enum KvUp {
+    /// `attn_kv_b`: `[n_head·(nope + v), kv_lora_rank]`.
+    Fused(Tensor),
+    /// `attn_k_b` `[n_head, kv_lora_rank, nope]` and `attn_v_b` `[n_head, v, kv_lora_rank]`.
+    Split { k_b: Tensor, v_b: Tensor },
+}
+
+struct Moe {
+    router: Tensor,
+    probs_bias: Option<Tensor>,
+    gate: Tensor,
+    up: Tensor,
+    down: Tensor,
+    shared: Option<(Tensor, Tensor, Tensor)>,
+}
+
+enum Ffn {
+    Dense {
+        gate: Tensor,
+        up: Tensor,
+        down: Tensor,
+    },
+    Moe(Moe),
+}
+
+struct Layer {
+    attn_norm: Tensor,
+    q: Query,
+    kv_a: Tensor,
+    kv_a_norm: Tensor,
+    kv_b: KvUp,
+    wo: Tensor,
+    ffn_norm: Tensor,
+    ffn: Ffn,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Gating {
+    Softmax,
+    Sigmoid,
+}
+
+pub(crate) struct Deepseek2 {
+    n_head: usize,
+    kv_lora_rank: usize,
+    nope: usize,
+    rope_dim: usize,
+    v_dim: usize,
+    eps: f64,
+    rope: Rope,
+    n_expert: usize,
+    n_expert_used: usize,
+    gating: Gating,
+    norm_weights: bool,
+    weights_scale: f64,
+    embd: Tensor,
+    head: Tensor,
+    output_norm: Tensor,
+    layers: Vec<Layer>,
+}
+
+impl Deepseek2 {
+    pub fn load(ld: &mut Loader<'_>) -> Result<Self> {
+        let n_embd = ld.usize("embedding_length")?;
+        let n_layer = ld.usize("block_count")?;
+        let n_head = ld.usize("attention.head_count")?;
+        let q_lora_rank = ld.usize_or("attention.q_lora_rank", 0)?;
+        let kv_lora_rank = ld.usize("attention.kv_lora_rank")?;
+        // Files converted for llama.cpp's absorbed MLA store the per-head sizes under `_mla`.
+        let key_length = match ld.usize_or("attention.key_length_mla", 0)? {
+            0 => ld.usize("attention.key_length")?,
+            k => k,
+        };
+        let v_dim = match ld.usize_or("attention.value_length_mla", 0)? {
+            0 => ld.usize("attention.value_length")?,
+            v => v,
+        };
+        let rope_dim = ld.usize("rope.dimension_count")?;
+        if rope_dim > key_length || rope_dim % 2 != 0 {
+            return Err(ReferenceError::Unsupported(format!(
+                "deepseek2 rope dimension {rope_dim} with key length {key_length}"
+            )));
+        }
+        let nope = key_length - rope_dim;
+        let eps = ld.f64("attention.layer_norm_rms_epsilon")?;
+        let freq_scale = ld.rope_freq_scale()?;
+        if freq_scale != 1.0 {
+            return Err(ReferenceError::Unsupported(
+                "deepseek2 with RoPE scaling (the reference implements unscaled RoPE only)"
+                    .to_string(),
+            ));
+        }
+        let rope = Rope {
+            layout: RopeLayout::Normal,
+            n_rot: rope_dim,
+            base: ld.f64_opt("rope.freq_base")?.unwrap_or(10_000.0),
+            freq_scale,
+        };
+        let n_dense_lead = ld.usize_or("leading_dense_block_count", 0)?;
+        let n_ff = ld.usize_or("feed_forward_length", 0)?;
+        let n_expert = ld.usize_or("expert_count", 0)?;
+        let n_expert_used = ld.usize_or("expert_used_count", 0)?;
+        let n_shared = ld.usize_or("expert_shared_count", 0)?;
+        let n_ff_exp = ld.usize_or("expert_feed_forward_length", 0)?;
+        if n_dense_lead < n_layer && (n_expert == 0 || n_expert_used == 0 || n_expert_used > n_expert)
+        {
+            return Err(ReferenceError::Unsupported(format!(
+                "deepseek2 MoE with {n_expert} experts, {n_expert_used} used per token"
+            )));
+        }
+        let gating = match ld.usize_or("expert_gating_func", 0)? {
+            0 | 1 => Gating::Softmax,
+            2 => Gating::Sigmoid,
+            other => {
+                return Err(ReferenceError::Unsupported(format!(
+                    "expert_gating_func {other} (1 softmax and 2 sigmoid are implemented)"
+                )))
+            }
+        };
+        let norm_weights = ld.bool_or("expert_weights_norm", false)?;
+        let weights_scale = ld.f64_opt("expert_weights_scale")?.unwrap_or(1.0);
+
+        let (embd, head) = embedding_and_head(ld, n_embd)?;
+        let output_norm = ld.tensor("output_norm.weight", &[n_embd])?;
+        let mut layers = Vec::with_capacity(n_layer);
+        for i in 0..n_layer {
+            let b = |s: &str| format!("blk.{i}.{s}.weight");
+            let q = if q_lora_rank == 0 {
+                Query::Direct(ld.tensor(&b("attn_q"), &[n_head * key_length, n_embd])?)
+            } else {
+                Query::LowRank {
+                    a: ld.tensor(&b("attn_q_a"), &[q_lora_rank, n_embd])?,
+                    norm: ld.tensor(&b("attn_q_a_norm"), &[q_lora_rank])?,
+                    b: ld.tensor(&b("attn_q_b"), &[n_head * key_length, q_lora_rank])?,
+                }
+            };
+            let kv_b = if ld.file.has_tensor(&b("attn_kv_b")) {
+                KvUp::Fused(ld.tensor(&b("attn_kv_b"), &[n_head * (nope + v_dim), kv_lora_rank])?)
+            } else {
+                KvUp::Split {
+                    k_b: ld.tensor(&b("attn_k_b"), &[n_head, kv_lora_rank, nope])?,
+                    v_b: ld.tensor(&b("attn_v_b"), &[n_head, v_dim, kv_lora_rank])?,
+                }
+            };
+            let ffn = if i < n_dense_lead {
+                Ffn::Dense {
+                    gate: ld.tensor(&b("ffn_gate"), &[n_ff, n_embd])?,
+                    up: ld.tensor(&b("ffn_up"), &[n_ff, n_embd])?,
+                    down: ld.tensor(&b("ffn_down"), &[n_embd, n_ff])?,
+                }
+            } else {
+                let shared = if n_shared > 0 {
+                    let w = n_ff_exp * n_shared;
+                    Some((
+                        ld.tensor(&b("ffn_gate_shexp"), &[w, n_embd])?,
+                        ld.tensor(&b("ffn_up_shexp"), &[w, n_embd])?,
+                        ld.tensor(&b("ffn_down_shexp"), &[n_embd, w])?,
+                    ))
+                } else {
+                    None
+                };
+                Ffn::Moe(Moe {
+                    router: ld.tensor(&b("ffn_gate_inp"), &[n_expert, n_embd])?,
+                    probs_bias: ld.optional(&format!("blk.{i}.exp_probs_b.bias"), &[n_expert])?,
+                    gate: ld.tensor(&b("ffn_gate_exps"), &[n_expert, n_ff_exp, n_embd])?,
+                    up: ld.tensor(&b("ffn_up_exps"), &[n_expert, n_ff_exp, n_embd])?,
+                    down: ld.tensor(&b("ffn_down_exps"), &[n_expert, n_embd, n_ff_exp])?,
+                    shared,
+                })
+            };
+            layers.push(Layer {
+                attn_norm: ld.tensor(&b("attn_norm"), &[n_embd])?,
+                q,
+                kv_a: ld.tensor(&b("attn_kv_a_mqa"), &[kv_lora_rank + rope_dim, n_embd])?,
+                kv_a_norm: ld.tensor(&b("attn_kv_a_norm"), &[kv_lora_rank])?,
+                kv_b,
+                wo: ld.tensor(&b("attn_output"), &[n_embd, n_head * v_dim])?,
+                ffn_norm: ld.tensor(&b("ffn_norm"), &[n_embd])?,
+                ffn,
+            });
+        }
+        Ok(Self {
+            n_head,
+            kv_lora_rank,
+            nope,
+            rope_dim,
+            v_dim,
+            eps,
+            rope,
+            n_expert,
+            n_expert_used,
+            gating,
+            norm_weights,
+            weights_scale,
+            embd,
+            head,
+            output_norm,
+            layers,
+        })
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.head.dims()[0]
+    }
+
+    pub fn forward(&self, tokens: &[u32], taps: Taps<'_>) -> Result<Tensor> {
+        let n = tokens.len();
+        let (h, nope, rd, vd) = (self.n_head, self.nope, self.rope_dim, self.v_dim);
+        let mut x = embed(&self.embd, tokens)?;
+        tap(taps, "embed", &x)?;
+        let mask = causal_mask(n, None, x.dtype())?;
+        let scale = 1.0 / ((nope + rd) as f64).sqrt();
+        for (i, l) in self.layers.iter().enumerate() {
+            let name = |s: &str| format!("blk.{i}.{s}");
+            let a_in = rms_norm(&x, &l.attn_norm, self.eps)?;
+            tap(taps, &name("attn_norm"), &a_in)?;
+
+            let q = match &l.q {
+                Query::Direct(w) => linear(&a_in, w)?,
+                Query::LowRank { a, norm, b } => {
+                    linear(&rms_norm(&linear(&a_in, a)?, norm, self.eps)?, b)?
+                }
+            }
+            .reshape((n, h, nope + rd))?;
+            let q_nope = q.narrow(2, 0, nope)?;
+            let q_pe = self.rope.apply(&q.narrow(2, nope, rd)?)?;
+            let q = Tensor::cat(&[&q_nope, &q_pe], 2)?;
+
+            let kv_a = linear(&a_in, &l.kv_a)?;
+            let c = rms_norm(&kv_a.narrow(1, 0, self.kv_lora_rank)?, &l.kv_a_norm, self.eps)?;
+            let k_pe = self
+                .rope
+                .apply(&kv_a.narrow(1, self.kv_lora_rank, rd)?.reshape((n, 1, rd))?)?;
+            let (k_nope, v) = match &l.kv_b {
+                KvUp::Fused(w) => {
+                    let kv = linear(&c, w)?.reshape((n, h, nope + vd))?;
+                    (kv.narrow(2, 0, nope)?, kv.narrow(2, nope, vd)?.contiguous()?)
+                }
+                KvUp::Split { k_b, v_b } => {
+                    // per head: k_nope = c · k_b[h] ([r, nope]); v = c · v_b[h]ᵀ
+                    let mut ks = Vec::with_capacity(h);
+                    let mut vs = Vec::with_capacity(h);
+                    for head in 0..h {
+                        ks.push(c.matmul(&k_b.get(head)?)?);
+                        vs.push(linear(&c, &v_b.get(head)?)?);
+                    }
+                    (Tensor::stack(&ks, 1)?, Tensor::stack(&vs, 1)?)
+                }
+            };
+            let k = Tensor::cat(&[&k_nope, &k_pe.broadcast_as((n, h, rd))?], 2)?;
+            tap(taps, &name("q"), &q)?;
+            tap(taps, &name("k"), &k)?;
+            tap(taps, &name("v"), &v)?;
+            let att = attention(&q, &k, &v, scale, &mask)?;
+            tap(taps, &name("attn"), &att)?;
+            let att = linear(&att, &l.wo)?;
+            tap(taps, &name("attn_out"), &att)?;
+            let resid = (x + att)?;
+            let m = rms_norm(&resid, &l.ffn_norm, self.eps)?;
+            tap(taps, &name("ffn_norm"), &m)?;
+            let f = match &l.ffn {
+                Ffn::Dense { gate, up, down } => gated_ffn(&m, gate, up, down, Activation::Silu)?,
+                Ffn::Moe(moe) => {
+                    let logits = linear(&m, &moe.router)?;
+                    tap(taps, &name("router"), &logits)?;
+                    self.moe(&m, &logits, moe)?
+                }
+            };
+            tap(taps, &name("ffn_out"), &f)?;
+            x = (resid + f)?;
+            tap(taps, &name("out"), &x)?;
+        }
+        let x = rms_norm(&x, &self.output_norm, self.eps)?;
+        tap(taps, "output_norm", &x)?;
+        let logits = linear(&x, &self.head)?;
+        tap(taps, "logits", &logits)?;
+        Ok(logits)
+    }
+
+    /// Routed experts plus shared experts for `m: [n, n_embd]` given router `logits: [n, n_expert]`.
+    ///
+    /// Routing (a discrete choice and a handful of weights per token) is computed on the host in
+    /// f64 for both precisions; the expert FFNs run in the model's dtype.
+    fn moe(&self, m: &Tensor, logits: &Tensor, moe: &Moe) -> Result<Tensor> {
+        let n = m.dim(0)?;
+        let dtype = m.dtype();
+        let logits = logits.to_dtype(DType::F64)?.to_vec2::<f64>()?;
+        let bias = match &moe.probs_bias {
+            Some(b) => b.to_dtype(DType::F64)?.to_vec1::<f64>()?,
+            None => vec![0.0; self.n_expert],
+        };
+        // per expert: which tokens chose it, and with what weight
+        let mut routes: Vec<(Vec<u32>, Vec<f64>)> = vec![(Vec::new(), Vec::new()); self.n_expert];
+        for (t, row) in logits.iter().enumerate() {
+            let probs: Vec<f64> = match self.gating {
+                Gating::Softmax => {
+                    let max = row.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                    let e: Vec<f64> = row.iter().map(|&z| (z - max).exp()).collect();
+                    let s: f64 = e.iter().sum();
+                    e.iter().map(|&v| v / s).collect()
+                }
+                Gating::Sigmoid => row.iter().map(|&z| 1.0 / (1.0 + (-z).exp())).collect(),
+            };
+            let mut order: Vec<usize> = (0..self.n_expert).collect();
+            // highest biased score first; ties keep the lower expert index first
+            order.sort_by(|&a, &b| (probs[b] + bias[b]).total_cmp(&(probs[a] + bias[a])));
+            let chosen = &order[..self.n_expert_used];
+            let mut weights: Vec<f64> = chosen.iter().map(|&e| probs[e]).collect();
+            if self.norm_weights {
+                let sum = weights.iter().sum::<f64>().max(WEIGHT_SUM_FLOOR);
+                weights.iter_mut().for_each(|w| *w /= sum);
+            }
+            if self.weights_scale != 0.0 {
+                weights.iter_mut().for_each(|w| *w *= self.weights_scale);
+            }
+            for (&e, &w) in chosen.iter().zip(&weights) {
+                routes[e].0.push(t as u32);
+                routes[e].1.push(w);
+            }
+        }
+        let mut out = m.zeros_like()?;
+        for (e, (tokens, weights)) in routes.iter().enumerate() {
+            if tokens.is_empty() {
+                continue;
+            }
+            let idx = Tensor::new(tokens.as_slice(), &Device::Cpu)?;
+            let xe = m.index_select(&idx, 0)?;
+            let ye = gated_ffn(
+                &xe,
+                &moe.gate.get(e)?,
+                &moe.up.get(e)?,
+                &moe.down.get(e)?,
+                Activation::Silu,
+            )?;
+            let w = Tensor::from_vec(weights.clone(), (tokens.len(), 1), &Device::Cpu)?
+                .to_dtype(dtype)?;
+            out = out.index_add(&idx, &ye.broadcast_mul(&w)?, 0)?;
+        }
+        if let Some((gate, up, down)) = &moe.shared {
+            out = (out + gated_ffn(m, gate, up, down, Activation::Silu)?)?;
+        }
+        debug_assert_eq!(out.dim(0)?, n);
+        Ok(out)
+    }
+}

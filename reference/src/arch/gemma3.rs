@@ -1,0 +1,194 @@
+//! `gemma3`: Gemma 3 text decoder (llama.cpp `llm_build_gemma3`).
+//!
+//! - embeddings × √n_embd;
+//! - RMSNorm everywhere, weights used as stored (the converter already folded Gemma's `1 + w`);
+//! - per-head RMSNorm of Q and K (`attn_q_norm`, `attn_k_norm`) before NeoX RoPE;
+//! - layers with `i % 6 == 5` are global (RoPE base `rope.freq_base`, linear scaling if any), the
+//!   others local: sliding window `attention.sliding_window` and RoPE base `rope.freq_base_swa`
+//!   (10000 when absent, as llama.cpp hard-codes);
+//! - queries scaled by `1/√key_length` (by `1/√(n_embd/n_head)` for the 62-layer 27B model, as
+//!   llama.cpp decides by model size), attention itself unscaled;
+//! - post-attention and post-FFN RMSNorms before each residual add;
+//! - GELU(tanh)-gated FFN; tied output head; final logit soft-capping when
+//!   `final_logit_softcapping` is present and positive.
+
+use candle_core::Tensor;
+
+use super::{embed, embedding_and_head, Loader};
+use crate::error::ReferenceError;
+use crate::ops::{
+    attention, causal_mask, gated_ffn, linear, rms_norm, tap, Activation, Result, Rope,
+    RopeLayout, Taps,
+};
+
+/// Every sixth layer is global (llama.cpp `set_swa_pattern(6)`).
+const SWA_PATTERN: usize = 6;
+
+struct Layer {
+    attn_norm: Tensor,
+    wq: Tensor,
+    wk: Tensor,
+    wv: Tensor,
+    q_norm: Tensor,
+    k_norm: Tensor,
+    wo: Tensor,
+    post_attn_norm: Tensor,
+    ffn_norm: Tensor,
+    gate: Tensor,
+    up: Tensor,
+    down: Tensor,
+    post_ffn_norm: Tensor,
+}
+
+pub(crate) struct Gemma3 {
+    n_embd: usize,
+    n_head: usize,
+    n_head_kv: usize,
+    head_dim: usize,
+    eps: f64,
+    q_scale: f64,
+    sliding_window: Option<usize>,
+    rope_global: Rope,
+    rope_local: Rope,
+    softcap: Option<f64>,
+    embd: Tensor,
+    head: Tensor,
+    output_norm: Tensor,
+    layers: Vec<Layer>,
+}
+
+impl Gemma3 {
+    pub fn load(ld: &mut Loader<'_>) -> Result<Self> {
+        let n_embd = ld.usize("embedding_length")?;
+        let n_layer = ld.usize("block_count")?;
+        let n_ff = ld.usize("feed_forward_length")?;
+        let n_head = ld.usize("attention.head_count")?;
+        let n_head_kv = ld.usize_or("attention.head_count_kv", n_head)?;
+        let head_dim = ld.usize_or("attention.key_length", n_embd / n_head.max(1))?;
+        let head_dim_v = ld.usize_or("attention.value_length", head_dim)?;
+        if head_dim_v != head_dim {
+            return Err(ReferenceError::Unsupported(format!(
+                "gemma3 with key_length {head_dim} != value_length {head_dim_v}"
+            )));
+        }
+        let eps = ld.f64("attention.layer_norm_rms_epsilon")?;
+        let sliding_window = match ld.usize_or("attention.sliding_window", 0)? {
+            0 => None,
+            w => Some(w),
+        };
+        let q_scale_dim = if n_layer == 62 {
+            n_embd / n_head.max(1)
+        } else {
+            head_dim
+        };
+        ld.refuse_rope_freqs()?;
+        let n_rot = ld.usize_or("rope.dimension_count", head_dim)?;
+        let rope_global = Rope {
+            layout: RopeLayout::Neox,
+            n_rot,
+            base: ld.f64_opt("rope.freq_base")?.unwrap_or(1_000_000.0),
+            freq_scale: ld.rope_freq_scale()?,
+        };
+        let rope_local = Rope {
+            layout: RopeLayout::Neox,
+            n_rot,
+            base: ld.f64_opt("rope.freq_base_swa")?.unwrap_or(10_000.0),
+            freq_scale: 1.0,
+        };
+        let softcap = ld
+            .f64_opt("final_logit_softcapping")?
+            .filter(|&c| c > 0.0);
+        let (embd, head) = embedding_and_head(ld, n_embd)?;
+        let output_norm = ld.tensor("output_norm.weight", &[n_embd])?;
+        let mut layers = Vec::with_capacity(n_layer);
+        for i in 0..n_layer {
+            let b = |s: &str| format!("blk.{i}.{s}.weight");
+            layers.push(Layer {
+                attn_norm: ld.tensor(&b("attn_norm"), &[n_embd])?,
+                wq: ld.tensor(&b("attn_q"), &[n_head * head_dim, n_embd])?,
+                wk: ld.tensor(&b("attn_k"), &[n_head_kv * head_dim, n_embd])?,
+                wv: ld.tensor(&b("attn_v"), &[n_head_kv * head_dim, n_embd])?,
+                q_norm: ld.tensor(&b("attn_q_norm"), &[head_dim])?,
+                k_norm: ld.tensor(&b("attn_k_norm"), &[head_dim])?,
+                wo: ld.tensor(&b("attn_output"), &[n_embd, n_head * head_dim])?,
+                post_attn_norm: ld.tensor(&b("post_attention_norm"), &[n_embd])?,
+                ffn_norm: ld.tensor(&b("ffn_norm"), &[n_embd])?,
+                gate: ld.tensor(&b("ffn_gate"), &[n_ff, n_embd])?,
+                up: ld.tensor(&b("ffn_up"), &[n_ff, n_embd])?,
+                down: ld.tensor(&b("ffn_down"), &[n_embd, n_ff])?,
+                post_ffn_norm: ld.tensor(&b("post_ffw_norm"), &[n_embd])?,
+            });
+        }
+        Ok(Self {
+            n_embd,
+            n_head,
+            n_head_kv,
+            head_dim,
+            eps,
+            q_scale: 1.0 / (q_scale_dim as f64).sqrt(),
+            sliding_window,
+            rope_global,
+            rope_local,
+            softcap,
+            embd,
+            head,
+            output_norm,
+            layers,
+        })
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.head.dims()[0]
+    }
+
+    pub fn forward(&self, tokens: &[u32], taps: Taps<'_>) -> Result<Tensor> {
+        let n = tokens.len();
+        let mut x = (embed(&self.embd, tokens)? * (self.n_embd as f64).sqrt())?;
+        tap(taps, "embed", &x)?;
+        let dtype = x.dtype();
+        let global_mask = causal_mask(n, None, dtype)?;
+        let local_mask = match self.sliding_window {
+            Some(w) => causal_mask(n, Some(w), dtype)?,
+            None => global_mask.clone(),
+        };
+        for (i, l) in self.layers.iter().enumerate() {
+            let name = |s: &str| format!("blk.{i}.{s}");
+            let is_global = i % SWA_PATTERN == SWA_PATTERN - 1 || self.sliding_window.is_none();
+            let (rope, mask) = if is_global {
+                (&self.rope_global, &global_mask)
+            } else {
+                (&self.rope_local, &local_mask)
+            };
+            let h = rms_norm(&x, &l.attn_norm, self.eps)?;
+            tap(taps, &name("attn_norm"), &h)?;
+            let q = linear(&h, &l.wq)?.reshape((n, self.n_head, self.head_dim))?;
+            let k = linear(&h, &l.wk)?.reshape((n, self.n_head_kv, self.head_dim))?;
+            let v = linear(&h, &l.wv)?.reshape((n, self.n_head_kv, self.head_dim))?;
+            let q = rope.apply(&rms_norm(&q, &l.q_norm, self.eps)?)?;
+            let k = rope.apply(&rms_norm(&k, &l.k_norm, self.eps)?)?;
+            tap(taps, &name("q"), &q)?;
+            tap(taps, &name("k"), &k)?;
+            tap(taps, &name("v"), &v)?;
+            let a = attention(&q, &k, &v, self.q_scale, mask)?;
+            tap(taps, &name("attn"), &a)?;
+            let a = rms_norm(&linear(&a, &l.wo)?, &l.post_attn_norm, self.eps)?;
+            tap(taps, &name("attn_out"), &a)?;
+            let resid = (x + a)?;
+            let m = rms_norm(&resid, &l.ffn_norm, self.eps)?;
+            tap(taps, &name("ffn_norm"), &m)?;
+            let f = gated_ffn(&m, &l.gate, &l.up, &l.down, Activation::GeluTanh)?;
+            let f = rms_norm(&f, &l.post_ffn_norm, self.eps)?;
+            tap(taps, &name("ffn_out"), &f)?;
+            x = (resid + f)?;
+            tap(taps, &name("out"), &x)?;
+        }
+        let x = rms_norm(&x, &self.output_norm, self.eps)?;
+        tap(taps, "output_norm", &x)?;
+        let mut logits = linear(&x, &self.head)?;
+        if let Some(cap) = self.softcap {
+            logits = ((logits / cap)?.tanh()? * cap)?;
+        }
+        tap(taps, "logits", &logits)?;
+        Ok(logits)
+    }
+}

@@ -1,0 +1,128 @@
+//! `llama`: pre-norm decoder with GQA, RMSNorm, SwiGLU and normal (adjacent-pair) RoPE.
+//!
+//! Per layer (llama.cpp `llm_build_llama`):
+//! `h = x + Wo·attn(rope(Wq·n), rope(Wk·n), Wv·n)` with `n = rmsnorm(x)·attn_norm`, scale
+//! `1/√head_dim`; then `out = h + down(silu(gate·m) ⊙ up·m)` with `m = rmsnorm(h)·ffn_norm`.
+
+use candle_core::Tensor;
+
+use super::{embed, embedding_and_head, Loader};
+use crate::ops::{
+    attention, causal_mask, gated_ffn, linear, rms_norm, tap, Activation, Result, Rope,
+    RopeLayout, Taps,
+};
+
+struct Layer {
+    attn_norm: Tensor,
+    wq: Tensor,
+    wk: Tensor,
+    wv: Tensor,
+    wo: Tensor,
+    ffn_norm: Tensor,
+    gate: Tensor,
+    up: Tensor,
+    down: Tensor,
+}
+
+pub(crate) struct Llama {
+    n_head: usize,
+    n_head_kv: usize,
+    head_dim_k: usize,
+    head_dim_v: usize,
+    eps: f64,
+    rope: Rope,
+    embd: Tensor,
+    head: Tensor,
+    output_norm: Tensor,
+    layers: Vec<Layer>,
+}
+
+impl Llama {
+    pub fn load(ld: &mut Loader<'_>) -> Result<Self> {
+        let n_embd = ld.usize("embedding_length")?;
+        let n_layer = ld.usize("block_count")?;
+        let n_ff = ld.usize("feed_forward_length")?;
+        let n_head = ld.usize("attention.head_count")?;
+        let n_head_kv = ld.usize_or("attention.head_count_kv", n_head)?;
+        let head_dim_k = ld.usize_or("attention.key_length", n_embd / n_head.max(1))?;
+        let head_dim_v = ld.usize_or("attention.value_length", head_dim_k)?;
+        let eps = ld.f64("attention.layer_norm_rms_epsilon")?;
+        ld.refuse_rope_freqs()?;
+        let rope = Rope {
+            layout: RopeLayout::Normal,
+            n_rot: ld.usize_or("rope.dimension_count", head_dim_k)?,
+            base: ld.f64_opt("rope.freq_base")?.unwrap_or(10_000.0),
+            freq_scale: ld.rope_freq_scale()?,
+        };
+        let (embd, head) = embedding_and_head(ld, n_embd)?;
+        let output_norm = ld.tensor("output_norm.weight", &[n_embd])?;
+        let mut layers = Vec::with_capacity(n_layer);
+        for i in 0..n_layer {
+            let b = |s: &str| format!("blk.{i}.{s}.weight");
+            layers.push(Layer {
+                attn_norm: ld.tensor(&b("attn_norm"), &[n_embd])?,
+                wq: ld.tensor(&b("attn_q"), &[n_head * head_dim_k, n_embd])?,
+                wk: ld.tensor(&b("attn_k"), &[n_head_kv * head_dim_k, n_embd])?,
+                wv: ld.tensor(&b("attn_v"), &[n_head_kv * head_dim_v, n_embd])?,
+                wo: ld.tensor(&b("attn_output"), &[n_embd, n_head * head_dim_v])?,
+                ffn_norm: ld.tensor(&b("ffn_norm"), &[n_embd])?,
+                gate: ld.tensor(&b("ffn_gate"), &[n_ff, n_embd])?,
+                up: ld.tensor(&b("ffn_up"), &[n_ff, n_embd])?,
+                down: ld.tensor(&b("ffn_down"), &[n_embd, n_ff])?,
+            });
+        }
+        Ok(Self {
+            n_head,
+            n_head_kv,
+            head_dim_k,
+            head_dim_v,
+            eps,
+            rope,
+            embd,
+            head,
+            output_norm,
+            layers,
+        })
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.head.dims()[0]
+    }
+
+    pub fn forward(&self, tokens: &[u32], taps: Taps<'_>) -> Result<Tensor> {
+        let n = tokens.len();
+        let mut x = embed(&self.embd, tokens)?;
+        tap(taps, "embed", &x)?;
+        let mask = causal_mask(n, None, x.dtype())?;
+        let scale = 1.0 / (self.head_dim_k as f64).sqrt();
+        for (i, l) in self.layers.iter().enumerate() {
+            let name = |s: &str| format!("blk.{i}.{s}");
+            let h = rms_norm(&x, &l.attn_norm, self.eps)?;
+            tap(taps, &name("attn_norm"), &h)?;
+            let q = linear(&h, &l.wq)?.reshape((n, self.n_head, self.head_dim_k))?;
+            let k = linear(&h, &l.wk)?.reshape((n, self.n_head_kv, self.head_dim_k))?;
+            let v = linear(&h, &l.wv)?.reshape((n, self.n_head_kv, self.head_dim_v))?;
+            let q = self.rope.apply(&q)?;
+            let k = self.rope.apply(&k)?;
+            tap(taps, &name("q"), &q)?;
+            tap(taps, &name("k"), &k)?;
+            tap(taps, &name("v"), &v)?;
+            let a = attention(&q, &k, &v, scale, &mask)?;
+            tap(taps, &name("attn"), &a)?;
+            let a = linear(&a, &l.wo)?;
+            tap(taps, &name("attn_out"), &a)?;
+            let resid = (x + a)?;
+            let m = rms_norm(&resid, &l.ffn_norm, self.eps)?;
+            tap(taps, &name("ffn_norm"), &m)?;
+            let f = gated_ffn(&m, &l.gate, &l.up, &l.down, Activation::Silu)?;
+            tap(taps, &name("ffn_out"), &f)?;
+            x = (resid + f)?;
+            tap(taps, &name("out"), &x)?;
+        }
+        let x = rms_norm(&x, &self.output_norm, self.eps)?;
+        tap(taps, "output_norm", &x)?;
+        let logits = linear(&x, &self.head)?;
+        tap(taps, "logits", &logits)?;
+        Ok(logits)
+    }
+}

@@ -1,0 +1,450 @@
+//! Reading a GGUF file for the reference: metadata and dequantized weights.
+//!
+//! The header is read by candle-core's own reader (`gguf_file::Content`) and tensors are
+//! dequantized by candle's `QTensor::dequantize`. candle 0.11 rejects the whole file when one tensor
+//! has a type it does not know (IQ4_NL, IQ4_XS, MXFP4); only then does [`fallback_header`] read the
+//! header itself, into candle's own `Value`/`TensorInfo` types where it can, so that every tensor of
+//! a type candle knows is still read and dequantized by candle.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::{BufReader, Read, Seek, SeekFrom};
+use std::path::{Path, PathBuf};
+
+use candle_core::quantized::gguf_file::{Content, TensorInfo, Value};
+use candle_core::quantized::GgmlDType;
+use candle_core::{DType, Device, Tensor};
+
+use crate::dequant::ExtraType;
+use crate::error::ReferenceError;
+
+/// Where one tensor's data is and how to decode it.
+enum Entry {
+    /// A type candle reads and dequantizes.
+    Candle(TensorInfo),
+    /// A type only [`crate::dequant`] knows; `dims` outermost first (candle's order).
+    Extra {
+        kind: ExtraType,
+        dims: Vec<usize>,
+        offset: u64,
+    },
+}
+
+/// An open GGUF file: metadata, tensor directory, and a reader for tensor data.
+pub(crate) struct GgufFile {
+    path: PathBuf,
+    reader: BufReader<File>,
+    file_size: u64,
+    metadata: HashMap<String, Value>,
+    tensors: HashMap<String, Entry>,
+    data_offset: u64,
+}
+
+impl GgufFile {
+    pub fn open(path: &Path) -> Result<Self, ReferenceError> {
+        let io = |source| ReferenceError::Io {
+            path: path.to_path_buf(),
+            source,
+        };
+        let file = File::open(path).map_err(io)?;
+        let file_size = file.metadata().map_err(io)?.len();
+        let mut reader = BufReader::new(file);
+        let (metadata, tensors, data_offset) = match Content::read(&mut reader) {
+            Ok(content) => {
+                let tensors = content
+                    .tensor_infos
+                    .into_iter()
+                    .map(|(name, info)| (name, Entry::Candle(info)))
+                    .collect();
+                (content.metadata, tensors, content.tensor_data_offset)
+            }
+            Err(candle_err) => {
+                reader.seek(SeekFrom::Start(0)).map_err(io)?;
+                fallback_header(&mut reader, file_size).map_err(|message| {
+                    ReferenceError::Gguf {
+                        path: path.to_path_buf(),
+                        message: format!("{message} (candle-core's reader said: {candle_err})"),
+                    }
+                })?
+            }
+        };
+        Ok(Self {
+            path: path.to_path_buf(),
+            reader,
+            file_size,
+            metadata,
+            tensors,
+            data_offset,
+        })
+    }
+
+    pub fn metadata(&self, key: &str) -> Option<&Value> {
+        self.metadata.get(key)
+    }
+
+    pub fn has_tensor(&self, name: &str) -> bool {
+        self.tensors.contains_key(name)
+    }
+
+    /// Shape of a tensor, outermost dimension first (the reverse of GGUF's `ne` order).
+    pub fn tensor_shape(&self, name: &str) -> Option<Vec<usize>> {
+        self.tensors.get(name).map(|entry| match entry {
+            Entry::Candle(info) => info.shape.dims().to_vec(),
+            Entry::Extra { dims, .. } => dims.clone(),
+        })
+    }
+
+    /// Read and dequantize a tensor, convert it to `dtype`, and check its shape.
+    pub fn tensor(
+        &mut self,
+        name: &str,
+        expected: &[usize],
+        dtype: DType,
+    ) -> Result<Tensor, ReferenceError> {
+        let found = self
+            .tensor_shape(name)
+            .ok_or_else(|| ReferenceError::MissingTensor {
+                name: name.to_string(),
+            })?;
+        if found != expected {
+            return Err(ReferenceError::TensorShape {
+                name: name.to_string(),
+                expected: expected.to_vec(),
+                found,
+            });
+        }
+        let data_err = |message: String| ReferenceError::TensorData {
+            name: name.to_string(),
+            message,
+        };
+        let tensor = match self.tensors.get(name) {
+            Some(Entry::Candle(info)) => info
+                .read(&mut self.reader, self.data_offset, &Device::Cpu)
+                .and_then(|q| q.dequantize(&Device::Cpu))
+                .map_err(|e| data_err(e.to_string()))?,
+            Some(Entry::Extra { kind, dims, offset }) => {
+                let elems: usize = dims.iter().product();
+                if elems % kind.block_size() != 0 {
+                    return Err(data_err(format!(
+                        "{elems} elements are not a whole number of {}-element blocks",
+                        kind.block_size()
+                    )));
+                }
+                let size = (elems / kind.block_size()) as u64 * kind.type_size() as u64;
+                let start = self.data_offset.saturating_add(*offset);
+                if start.saturating_add(size) > self.file_size {
+                    return Err(data_err(format!(
+                        "needs {size} bytes at offset {start}, the file has {} bytes",
+                        self.file_size
+                    )));
+                }
+                let mut raw = vec![0u8; size as usize];
+                self.reader
+                    .seek(SeekFrom::Start(start))
+                    .and_then(|_| self.reader.read_exact(&mut raw))
+                    .map_err(|source| ReferenceError::Io {
+                        path: self.path.clone(),
+                        source,
+                    })?;
+                Tensor::from_vec(kind.dequantize(&raw), dims.as_slice(), &Device::Cpu)?
+            }
+            None => {
+                return Err(ReferenceError::MissingTensor {
+                    name: name.to_string(),
+                })
+            }
+        };
+        Ok(tensor.to_dtype(dtype)?)
+    }
+}
+
+/// Read the GGUF header (v2 or v3) without candle, for files candle rejects because of a tensor
+/// type. Every length and count is checked against the bytes left in the file before anything is
+/// allocated from it.
+#[allow(clippy::type_complexity)]
+fn fallback_header<R: Read + Seek>(
+    r: &mut R,
+    file_size: u64,
+) -> Result<(HashMap<String, Value>, HashMap<String, Entry>, u64), String> {
+    let mut h = Header { r, file_size };
+    let magic = h.u32()?;
+    if magic != 0x4655_4747 {
+        return Err(format!("expected magic GGUF, found {magic:#010x}"));
+    }
+    let version = h.u32()?;
+    if !(2..=3).contains(&version) {
+        return Err(format!("expected GGUF version 2 or 3, found {version}"));
+    }
+    let n_tensors = h.u64()?;
+    let n_kv = h.u64()?;
+    // a metadata entry takes at least 8 + 4 + 1 bytes, a tensor entry at least 8 + 4 + 4 + 8
+    h.check_room(n_kv, 13, "metadata entries")?;
+    h.check_room(n_tensors, 24, "tensor entries")?;
+    let mut metadata = HashMap::new();
+    for _ in 0..n_kv {
+        let key = h.string()?;
+        let ty = h.u32()?;
+        let value = h.value(ty, 0).map_err(|e| format!("metadata `{key}`: {e}"))?;
+        metadata.insert(key, value);
+    }
+    let mut tensors = HashMap::new();
+    for _ in 0..n_tensors {
+        let name = h.string()?;
+        let n_dims = h.u32()?;
+        if n_dims > 4 {
+            return Err(format!("tensor `{name}` has {n_dims} dimensions, at most 4 allowed"));
+        }
+        let mut dims = Vec::with_capacity(n_dims as usize);
+        for _ in 0..n_dims {
+            let d = h.u64()?;
+            dims.push(usize::try_from(d).map_err(|_| format!("tensor `{name}`: dimension {d}"))?);
+        }
+        dims.reverse();
+        let type_id = h.u32()?;
+        let offset = h.u64()?;
+        let entry = if let Some(kind) = ExtraType::from_id(type_id) {
+            Entry::Extra { kind, dims, offset }
+        } else {
+            let dtype = candle_dtype(type_id).ok_or_else(|| {
+                format!("tensor `{name}` has GGML type id {type_id}, which the reference cannot dequantize")
+            })?;
+            Entry::Candle(TensorInfo {
+                ggml_dtype: dtype,
+                shape: candle_core::Shape::from(dims),
+                offset,
+            })
+        };
+        tensors.insert(name, entry);
+    }
+    let alignment = match metadata.get("general.alignment") {
+        Some(v) => as_u64(v).filter(|&a| a > 0).unwrap_or(32),
+        None => 32,
+    };
+    let position = h.r.stream_position().map_err(|e| e.to_string())?;
+    Ok((metadata, tensors, position.div_ceil(alignment) * alignment))
+}
+
+/// candle's type for a GGUF type id, for the ids candle 0.11 reads.
+fn candle_dtype(id: u32) -> Option<GgmlDType> {
+    Some(match id {
+        0 => GgmlDType::F32,
+        1 => GgmlDType::F16,
+        2 => GgmlDType::Q4_0,
+        3 => GgmlDType::Q4_1,
+        6 => GgmlDType::Q5_0,
+        7 => GgmlDType::Q5_1,
+        8 => GgmlDType::Q8_0,
+        9 => GgmlDType::Q8_1,
+        10 => GgmlDType::Q2K,
+        11 => GgmlDType::Q3K,
+        12 => GgmlDType::Q4K,
+        13 => GgmlDType::Q5K,
+        14 => GgmlDType::Q6K,
+        15 => GgmlDType::Q8K,
+        30 => GgmlDType::BF16,
+        _ => return None,
+    })
+}
+
+/// Any integer metadata value as u64 (negative values are `None`).
+pub(crate) fn as_u64(v: &Value) -> Option<u64> {
+    match *v {
+        Value::U8(x) => Some(u64::from(x)),
+        Value::U16(x) => Some(u64::from(x)),
+        Value::U32(x) => Some(u64::from(x)),
+        Value::U64(x) => Some(x),
+        Value::I8(x) => u64::try_from(x).ok(),
+        Value::I16(x) => u64::try_from(x).ok(),
+        Value::I32(x) => u64::try_from(x).ok(),
+        Value::I64(x) => u64::try_from(x).ok(),
+        _ => None,
+    }
+}
+
+/// Any numeric metadata value as f64.
+pub(crate) fn as_f64(v: &Value) -> Option<f64> {
+    match *v {
+        Value::F32(x) => Some(f64::from(x)),
+        Value::F64(x) => Some(x),
+        Value::I8(x) => Some(f64::from(x)),
+        Value::I16(x) => Some(f64::from(x)),
+        Value::I32(x) => Some(f64::from(x)),
+        Value::I64(x) => Some(x as f64),
+        _ => as_u64(v).map(|x| x as f64),
+    }
+}
+
+struct Header<'a, R> {
+    r: &'a mut R,
+    file_size: u64,
+}
+
+impl<R: Read + Seek> Header<'_, R> {
+    fn bytes<const N: usize>(&mut self) -> Result<[u8; N], String> {
+        let mut b = [0u8; N];
+        self.r
+            .read_exact(&mut b)
+            .map_err(|e| format!("header ends early: {e}"))?;
+        Ok(b)
+    }
+    fn u32(&mut self) -> Result<u32, String> {
+        Ok(u32::from_le_bytes(self.bytes()?))
+    }
+    fn u64(&mut self) -> Result<u64, String> {
+        Ok(u64::from_le_bytes(self.bytes()?))
+    }
+    fn remaining(&mut self) -> Result<u64, String> {
+        let pos = self.r.stream_position().map_err(|e| e.to_string())?;
+        Ok(self.file_size.saturating_sub(pos))
+    }
+    fn check_room(&mut self, count: u64, min_size: u64, what: &str) -> Result<(), String> {
+        let remaining = self.remaining()?;
+        if count.saturating_mul(min_size) > remaining {
+            return Err(format!(
+                "{count} {what} need at least {} bytes, {remaining} left in the file",
+                count.saturating_mul(min_size)
+            ));
+        }
+        Ok(())
+    }
+    fn string(&mut self) -> Result<String, String> {
+        let len = self.u64()?;
+        self.check_room(len, 1, "string bytes")?;
+        let mut b = vec![0u8; len as usize];
+        self.r
+            .read_exact(&mut b)
+            .map_err(|e| format!("header ends early: {e}"))?;
+        String::from_utf8(b).map_err(|e| format!("string is not UTF-8: {e}"))
+    }
+    fn value(&mut self, ty: u32, depth: usize) -> Result<Value, String> {
+        Ok(match ty {
+            0 => Value::U8(self.bytes::<1>()?[0]),
+            1 => Value::I8(i8::from_le_bytes(self.bytes()?)),
+            2 => Value::U16(u16::from_le_bytes(self.bytes()?)),
+            3 => Value::I16(i16::from_le_bytes(self.bytes()?)),
+            4 => Value::U32(self.u32()?),
+            5 => Value::I32(i32::from_le_bytes(self.bytes()?)),
+            6 => Value::F32(f32::from_le_bytes(self.bytes()?)),
+            7 => Value::Bool(self.bytes::<1>()?[0] != 0),
+            8 => Value::String(self.string()?),
+            9 => {
+                if depth > 2 {
+                    return Err("arrays nested more than 3 deep".to_string());
+                }
+                let elem_ty = self.u32()?;
+                let count = self.u64()?;
+                let min = match elem_ty {
+                    0 | 1 | 7 => 1,
+                    2 | 3 => 2,
+                    4..=6 => 4,
+                    10..=12 | 8 => 8,
+                    9 => 12,
+                    other => return Err(format!("unknown array element type {other}")),
+                };
+                self.check_room(count, min, "array elements")?;
+                let mut items = Vec::with_capacity(count as usize);
+                for _ in 0..count {
+                    items.push(self.value(elem_ty, depth + 1)?);
+                }
+                Value::Array(items)
+            }
+            10 => Value::U64(self.u64()?),
+            11 => Value::I64(i64::from_le_bytes(self.bytes()?)),
+            12 => Value::F64(f64::from_le_bytes(self.bytes()?)),
+            other => return Err(format!("unknown metadata value type {other}")),
+        })
+    }
+}
+
+/// Typed metadata look-ups with the key named in every error.
+impl GgufFile {
+    pub fn get_usize(&self, key: &str) -> Result<usize, ReferenceError> {
+        let v = self.metadata(key).ok_or_else(|| ReferenceError::MissingKey {
+            key: key.to_string(),
+        })?;
+        as_u64(v)
+            .and_then(|x| usize::try_from(x).ok())
+            .ok_or_else(|| ReferenceError::BadKey {
+                key: key.to_string(),
+                expected: "a non-negative integer",
+                found: format!("{v:?}"),
+            })
+    }
+
+    pub fn get_usize_or(&self, key: &str, default: usize) -> Result<usize, ReferenceError> {
+        if self.metadata(key).is_some() {
+            self.get_usize(key)
+        } else {
+            Ok(default)
+        }
+    }
+
+    pub fn get_f64(&self, key: &str) -> Result<f64, ReferenceError> {
+        let v = self.metadata(key).ok_or_else(|| ReferenceError::MissingKey {
+            key: key.to_string(),
+        })?;
+        as_f64(v).ok_or_else(|| ReferenceError::BadKey {
+            key: key.to_string(),
+            expected: "a number",
+            found: format!("{v:?}"),
+        })
+    }
+
+    pub fn get_f64_opt(&self, key: &str) -> Result<Option<f64>, ReferenceError> {
+        if self.metadata(key).is_some() {
+            self.get_f64(key).map(Some)
+        } else {
+            Ok(None)
+        }
+    }
+
+    pub fn get_bool_or(&self, key: &str, default: bool) -> Result<bool, ReferenceError> {
+        match self.metadata(key) {
+            None => Ok(default),
+            Some(Value::Bool(b)) => Ok(*b),
+            Some(v) => Err(ReferenceError::BadKey {
+                key: key.to_string(),
+                expected: "a bool",
+                found: format!("{v:?}"),
+            }),
+        }
+    }
+
+    pub fn get_string(&self, key: &str) -> Result<&str, ReferenceError> {
+        match self.metadata(key) {
+            None => Err(ReferenceError::MissingKey {
+                key: key.to_string(),
+            }),
+            Some(Value::String(s)) => Ok(s),
+            Some(v) => Err(ReferenceError::BadKey {
+                key: key.to_string(),
+                expected: "a string",
+                found: format!("{v:?}"),
+            }),
+        }
+    }
+
+    /// The vocabulary pieces (`tokenizer.ggml.tokens`), empty when the file has none.
+    pub fn token_pieces(&self) -> Result<Vec<String>, ReferenceError> {
+        let key = "tokenizer.ggml.tokens";
+        match self.metadata(key) {
+            None => Ok(Vec::new()),
+            Some(Value::Array(items)) => items
+                .iter()
+                .map(|v| match v {
+                    Value::String(s) => Ok(s.clone()),
+                    other => Err(ReferenceError::BadKey {
+                        key: key.to_string(),
+                        expected: "an array of strings",
+                        found: format!("an element {other:?}"),
+                    }),
+                })
+                .collect(),
+            Some(v) => Err(ReferenceError::BadKey {
+                key: key.to_string(),
+                expected: "an array of strings",
+                found: format!("{:?}", v.value_type()),
+            }),
+        }
+    }
+}

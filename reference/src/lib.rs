@@ -1,0 +1,174 @@
+//! The plumbline oracle: a plain, obvious CPU forward pass of every supported architecture
+//! (`llama`, `gemma3`, `deepseek2`), built from candle-core tensors, emitting the taps of
+//! `docs/TAPS.md`.
+//!
+//! Architecture invariants:
+//! - **`reference` never depends on `engine` or `kernels`**, directly or through another crate,
+//!   dev-dependencies included (`tests/independence.rs` checks `Cargo.lock`). Weights are read by
+//!   candle-core's GGUF reader and dequantized by candle; the types candle lacks (IQ4_NL, IQ4_XS,
+//!   MXFP4) have their own plain dequantizer in [`dequant`], written from ggml's description.
+//!   A bug shared with the engine would make both sides agree, and hide it.
+//! - Slow and obvious on purpose: full-sequence, teacher-forced evaluation with a causal (and
+//!   sliding-window) mask, no KV cache, every weight dequantized once at load, every formula
+//!   written the way a paper would. No fusions, no shortcuts that need an argument to be right.
+//! - Computes in one dtype end to end ([`Precision::F32`] or [`Precision::F64`]); taps and logits
+//!   are handed out as f32. (MoE routing weights are computed on the host in f64 for both.)
+//!
+//! Start reading at [`ReferenceModel::forward`], then `arch/llama.rs` and `ops.rs`.
+
+mod arch;
+pub mod dequant;
+mod error;
+mod gguf;
+mod ops;
+
+use std::path::Path;
+
+use candle_core::DType;
+
+pub use error::ReferenceError;
+
+use arch::{deepseek2::Deepseek2, gemma3::Gemma3, llama::Llama, Loader};
+
+/// The dtype the reference computes in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Precision {
+    #[default]
+    F32,
+    F64,
+}
+
+impl Precision {
+    fn dtype(self) -> DType {
+        match self {
+            Self::F32 => DType::F32,
+            Self::F64 => DType::F64,
+        }
+    }
+}
+
+enum Arch {
+    Llama(Llama),
+    Gemma3(Gemma3),
+    Deepseek2(Deepseek2),
+}
+
+/// A model loaded for reference evaluation: all weights dequantized in memory.
+pub struct ReferenceModel {
+    architecture: String,
+    precision: Precision,
+    pieces: Vec<String>,
+    arch: Arch,
+}
+
+impl std::fmt::Debug for ReferenceModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReferenceModel")
+            .field("architecture", &self.architecture)
+            .field("precision", &self.precision)
+            .field("vocab_size", &self.vocab_size())
+            .finish_non_exhaustive()
+    }
+}
+
+impl ReferenceModel {
+    /// Read `path` (GGUF v2/v3) and dequantize every weight to `precision`.
+    pub fn load(path: &Path, precision: Precision) -> Result<Self, ReferenceError> {
+        let mut file = gguf::GgufFile::open(path)?;
+        let architecture = file.get_string("general.architecture")?.to_string();
+        let pieces = file.token_pieces()?;
+        let mut ld = Loader {
+            file: &mut file,
+            dtype: precision.dtype(),
+            prefix: format!("{architecture}."),
+        };
+        let arch = match architecture.as_str() {
+            "llama" => Arch::Llama(Llama::load(&mut ld)?),
+            "gemma3" => Arch::Gemma3(Gemma3::load(&mut ld)?),
+            "deepseek2" => Arch::Deepseek2(Deepseek2::load(&mut ld)?),
+            other => return Err(ReferenceError::UnsupportedArchitecture(other.to_string())),
+        };
+        let model = Self {
+            architecture,
+            precision,
+            pieces,
+            arch,
+        };
+        if !model.pieces.is_empty() && model.pieces.len() != model.vocab_size() {
+            return Err(ReferenceError::BadKey {
+                key: "tokenizer.ggml.tokens".to_string(),
+                expected: "one piece per row of the output head",
+                found: format!(
+                    "{} pieces for {} rows",
+                    model.pieces.len(),
+                    model.vocab_size()
+                ),
+            });
+        }
+        Ok(model)
+    }
+
+    /// `general.architecture`: `llama`, `gemma3` or `deepseek2`.
+    pub fn architecture(&self) -> &str {
+        &self.architecture
+    }
+
+    pub fn precision(&self) -> Precision {
+        self.precision
+    }
+
+    /// Rows of the output head (the width of the `logits` tap).
+    pub fn vocab_size(&self) -> usize {
+        match &self.arch {
+            Arch::Llama(m) => m.vocab_size(),
+            Arch::Gemma3(m) => m.vocab_size(),
+            Arch::Deepseek2(m) => m.vocab_size(),
+        }
+    }
+
+    /// The vocabulary piece of token `id` (`tokenizer.ggml.tokens`), if the file has one.
+    pub fn token_piece(&self, id: u32) -> Option<&str> {
+        self.pieces.get(id as usize).map(String::as_str)
+    }
+
+    /// The id of the vocabulary entry spelled exactly `piece` (first match).
+    pub fn token_id(&self, piece: &str) -> Option<u32> {
+        self.pieces
+            .iter()
+            .position(|p| p == piece)
+            .and_then(|i| u32::try_from(i).ok())
+    }
+
+    /// Logits for every position, `[n_tokens × vocab]` row-major, emitting every tap of
+    /// `docs/TAPS.md` in forward order as `(name, [n_tokens, width], data)`.
+    pub fn forward(
+        &self,
+        tokens: &[u32],
+        taps: &mut dyn FnMut(&str, &[usize], &[f32]),
+    ) -> Result<Vec<f32>, ReferenceError> {
+        if tokens.is_empty() {
+            return Err(ReferenceError::EmptyInput);
+        }
+        let vocab_size = self.vocab_size();
+        if let Some((position, &token)) = tokens
+            .iter()
+            .enumerate()
+            .find(|(_, &t)| t as usize >= vocab_size)
+        {
+            return Err(ReferenceError::TokenOutOfRange {
+                token,
+                position,
+                vocab_size,
+            });
+        }
+        let logits = match &self.arch {
+            Arch::Llama(m) => m.forward(tokens, taps)?,
+            Arch::Gemma3(m) => m.forward(tokens, taps)?,
+            Arch::Deepseek2(m) => m.forward(tokens, taps)?,
+        };
+        Ok(logits
+            .to_dtype(DType::F32)?
+            .flatten_all()?
+            .to_vec1::<f32>()?)
+    }
+}
