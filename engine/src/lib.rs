@@ -16,3 +16,7 @@ pub mod gguf;
 pub mod model;
 pub mod runtime;
 pub mod taps;
+pub mod tokenizer;
+
+/// Token sampling; lives in the runtime, re-exported here as `engine::sampling`.
+pub use runtime::sampling;

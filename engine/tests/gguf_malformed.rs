@@ -34,7 +34,10 @@ fn check(bytes: &[u8], is: fn(&GgufError) -> bool, says: &[&str]) {
         Err(e) => {
             let msg = e.to_string();
             assert!(is(&e), "wrong variant: {e:?}");
-            assert!(msg.contains("x.gguf"), "message does not name the file: {msg}");
+            assert!(
+                msg.contains("x.gguf"),
+                "message does not name the file: {msg}"
+            );
             for s in says {
                 assert!(msg.contains(s), "message lacks {s:?}: {msg}");
             }
@@ -62,15 +65,47 @@ fn the_baseline_is_valid() {
 #[test]
 fn header() {
     use GgufError as E;
-    check(&[], |e| matches!(e, E::Truncated { offset: 0, .. }), &["magic", "expected 4 bytes, found 0"]);
-    check(b"GGML\x03\0\0\0", |e| matches!(e, E::BadMagic { .. }), &["\"GGML\""]);
-    check(b"\0\0\0\0", |e| matches!(e, E::BadMagic { .. }), &["\"\\x00\\x00\\x00\\x00\""]);
+    check(
+        &[],
+        |e| matches!(e, E::Truncated { offset: 0, .. }),
+        &["magic", "expected 4 bytes, found 0"],
+    );
+    check(
+        b"GGML\x03\0\0\0",
+        |e| matches!(e, E::BadMagic { .. }),
+        &["\"GGML\""],
+    );
+    check(
+        b"\0\0\0\0",
+        |e| matches!(e, E::BadMagic { .. }),
+        &["\"\\x00\\x00\\x00\\x00\""],
+    );
     let v = |v: u32| Raw::header(v, 0, 0).bytes;
-    check(&v(1), |e| matches!(e, E::UnsupportedVersion { version: 1, .. }), &["expected 2 or 3, found 1"]);
-    check(&v(4), |e| matches!(e, E::UnsupportedVersion { version: 4, .. }), &["found 4"]);
-    check(&v(3u32.swap_bytes()), |e| matches!(e, E::BigEndian { swapped: 3, .. }), &["big-endian"]);
-    check(&v(2u32.swap_bytes()), |e| matches!(e, E::BigEndian { swapped: 2, .. }), &["big-endian"]);
-    check(&Raw::header(3, 0, 0).bytes[..20], |e| matches!(e, E::Truncated { offset: 16, .. }), &["metadata count"]);
+    check(
+        &v(1),
+        |e| matches!(e, E::UnsupportedVersion { version: 1, .. }),
+        &["expected 2 or 3, found 1"],
+    );
+    check(
+        &v(4),
+        |e| matches!(e, E::UnsupportedVersion { version: 4, .. }),
+        &["found 4"],
+    );
+    check(
+        &v(3u32.swap_bytes()),
+        |e| matches!(e, E::BigEndian { swapped: 3, .. }),
+        &["big-endian"],
+    );
+    check(
+        &v(2u32.swap_bytes()),
+        |e| matches!(e, E::BigEndian { swapped: 2, .. }),
+        &["big-endian"],
+    );
+    check(
+        &Raw::header(3, 0, 0).bytes[..20],
+        |e| matches!(e, E::Truncated { offset: 16, .. }),
+        &["metadata count"],
+    );
     // Zero tensors, zero metadata: valid.
     let dir = tmp();
     assert!(open_bytes(dir.path(), &Raw::header(3, 0, 0).bytes).is_ok());
@@ -80,14 +115,39 @@ fn header() {
 fn huge_counts_and_lengths() {
     use GgufError as E;
     let big = |e: &GgufError| matches!(e, E::CountTooLarge { .. });
-    check(&Raw::header(3, u64::MAX, 0).bytes, big, &["tensor count", "offset 8", "count 18446744073709551615"]);
-    check(&Raw::header(3, 0, u64::MAX).bytes, big, &["metadata count", "offset 16"]);
-    check(&Raw::header(3, 0, 1).u64(1 << 40).b(b"abc").bytes, big, &["metadata key #0 length", "offset 24"]);
-    let arr = |ty: u32| Raw::header(3, 0, 1).str("k").u32(9).u32(ty).u64(u64::MAX / 2).zeros(64).bytes;
+    check(
+        &Raw::header(3, u64::MAX, 0).bytes,
+        big,
+        &["tensor count", "offset 8", "count 18446744073709551615"],
+    );
+    check(
+        &Raw::header(3, 0, u64::MAX).bytes,
+        big,
+        &["metadata count", "offset 16"],
+    );
+    check(
+        &Raw::header(3, 0, 1).u64(1 << 40).b(b"abc").zeros(20).bytes,
+        big,
+        &["metadata key #0 length", "offset 24"],
+    );
+    let arr = |ty: u32| {
+        Raw::header(3, 0, 1)
+            .str("k")
+            .u32(9)
+            .u32(ty)
+            .u64(u64::MAX / 2)
+            .zeros(64)
+            .bytes
+    };
     for ty in [0, 4, 8, 9, 12] {
         check(&arr(ty), big, &["metadata \"k\" array count", "offset 41"]);
     }
-    let s = Raw::header(3, 0, 1).str("k").u32(8).u64(100).b(b"short").bytes;
+    let s = Raw::header(3, 0, 1)
+        .str("k")
+        .u32(8)
+        .u64(100)
+        .b(b"short")
+        .bytes;
     check(&s, big, &["metadata \"k\" value length", "count 100"]);
     let name = Raw::header(3, 1, 0).u64(u64::MAX).zeros(40).bytes;
     check(&name, big, &["tensor #0 name length"]);
@@ -97,22 +157,64 @@ fn huge_counts_and_lengths() {
 fn bad_values() {
     use GgufError as E;
     let kv = |ty: u32, v: &[u8]| Raw::header(3, 0, 1).str("k").u32(ty).b(v).bytes;
-    check(&kv(13, &[0; 8]), |e| matches!(e, E::UnknownValueType { type_id: 13, offset: 33, .. }), &["found 13"]);
-    check(&kv(7, &[2]), |e| matches!(e, E::InvalidBool { value: 2, .. }), &["\"k\"", "found 2"]);
-    check(&kv(9, &[200, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]), |e| matches!(e, E::UnknownValueType { type_id: 200, .. }), &["array element type"]);
-    let bad_key = Raw::header(3, 0, 1).u64(2).b(&[0xff, 0xfe]).u32(0).u8(0).bytes;
-    check(&bad_key, |e| matches!(e, E::InvalidUtf8 { offset: 24, .. }), &["metadata key #0", "UTF-8"]);
+    check(
+        &kv(13, &[0; 8]),
+        |e| {
+            matches!(
+                e,
+                E::UnknownValueType {
+                    type_id: 13,
+                    offset: 33,
+                    ..
+                }
+            )
+        },
+        &["found 13"],
+    );
+    check(
+        &kv(7, &[2]),
+        |e| matches!(e, E::InvalidBool { value: 2, .. }),
+        &["\"k\"", "found 2"],
+    );
+    check(
+        &kv(9, &[200, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]),
+        |e| matches!(e, E::UnknownValueType { type_id: 200, .. }),
+        &["array element type"],
+    );
+    let bad_key = Raw::header(3, 0, 1)
+        .u64(2)
+        .b(&[0xff, 0xfe])
+        .u32(0)
+        .u8(0)
+        .bytes;
+    check(
+        &bad_key,
+        |e| matches!(e, E::InvalidUtf8 { offset: 24, .. }),
+        &["metadata key #0", "UTF-8"],
+    );
     let bad_str = Raw::header(3, 0, 1).str("k").u32(8).u64(1).u8(0x80).bytes;
-    check(&bad_str, |e| matches!(e, E::InvalidUtf8 { .. }), &["metadata \"k\" value"]);
+    check(
+        &bad_str,
+        |e| matches!(e, E::InvalidUtf8 { .. }),
+        &["metadata \"k\" value"],
+    );
     // Arrays nested 9 deep.
     let mut r = Raw::header(3, 0, 1).str("deep").u32(9);
     for _ in 0..9 {
         r = r.u32(9).u64(1);
     }
     let r = r.u32(0).u64(0);
-    check(&r.bytes, |e| matches!(e, E::NestingTooDeep { max: 8, .. }), &["\"deep\""]);
+    check(
+        &r.bytes,
+        |e| matches!(e, E::NestingTooDeep { max: 8, .. }),
+        &["\"deep\""],
+    );
     let dup = Raw::header(3, 0, 2).kv_u32("a", 1).kv_u32("a", 2).bytes;
-    check(&dup, |e| matches!(e, E::DuplicateKey { offset: 45, .. }), &["\"a\"", "duplicate"]);
+    check(
+        &dup,
+        |e| matches!(e, E::DuplicateKey { offset: 41, .. }),
+        &["\"a\"", "duplicate"],
+    );
 }
 
 #[test]
@@ -120,9 +222,17 @@ fn alignment() {
     use GgufError as E;
     let bad = |e: &GgufError| matches!(e, E::BadAlignment { offset: 24, .. });
     for (a, says) in [(48u32, "u32 48"), (0, "u32 0")] {
-        check(&Raw::header(3, 0, 1).kv_u32("general.alignment", a).bytes, bad, &[says]);
+        check(
+            &Raw::header(3, 0, 1).kv_u32("general.alignment", a).bytes,
+            bad,
+            &[says],
+        );
     }
-    check(&Raw::header(3, 0, 1).kv_str("general.alignment", "32").bytes, bad, &["string \"32\""]);
+    check(
+        &Raw::header(3, 0, 1).kv_str("general.alignment", "32").bytes,
+        bad,
+        &["string \"32\""],
+    );
     // A 64-aligned file: data starts at 64, offsets are multiples of 64.
     let ok = Raw::header(3, 2, 1)
         .kv_u32("general.alignment", 64)
@@ -133,37 +243,144 @@ fn alignment() {
     let dir = tmp();
     let g = open_bytes(dir.path(), &ok.bytes).unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(g.shards()[0].alignment, 64);
-    assert_eq!(g.tensor("b").map(|t| t.offset - g.shards()[0].data_offset), Some(64));
+    assert_eq!(
+        g.tensor("b").map(|t| t.offset - g.shards()[0].data_offset),
+        Some(64)
+    );
 }
 
 #[test]
 fn tensor_infos() {
     use GgufError as E;
     let t = |name: &str, dims: &[u64], ty: u32, off: u64| {
-        Raw::header(3, 1, 0).tensor(name, dims, ty, off).pad(32).zeros(4096).bytes
+        Raw::header(3, 1, 0)
+            .tensor(name, dims, ty, off)
+            .pad(32)
+            .zeros(4096)
+            .bytes
     };
-    check(&t("w", &[1; 5], 0, 0), |e| matches!(e, E::TooManyDims { n_dims: 5, offset: 33, .. }), &["\"w\"", "at most 4, found 5"]);
-    check(&t("w", &[4, 0], 0, 0), |e| matches!(e, E::ZeroDim { index: 1, offset: 45, .. }), &["\"w\" dimension 1"]);
-    check(&t("w", &[1 << 32, 1 << 32, 2], 0, 0), |e| matches!(e, E::ShapeOverflow { .. }), &["\"w\""]);
-    check(&t("w", &[1 << 62, 2], 0, 0), |e| matches!(e, E::ShapeOverflow { .. }), &["\"w\""]);
+    check(
+        &t("w", &[1; 5], 0, 0),
+        |e| {
+            matches!(
+                e,
+                E::TooManyDims {
+                    n_dims: 5,
+                    offset: 33,
+                    ..
+                }
+            )
+        },
+        &["\"w\"", "at most 4, found 5"],
+    );
+    check(
+        &t("w", &[4, 0], 0, 0),
+        |e| {
+            matches!(
+                e,
+                E::ZeroDim {
+                    index: 1,
+                    offset: 45,
+                    ..
+                }
+            )
+        },
+        &["\"w\" dimension 1"],
+    );
+    check(
+        &t("w", &[1 << 32, 1 << 32, 2], 0, 0),
+        |e| matches!(e, E::ShapeOverflow { .. }),
+        &["\"w\""],
+    );
+    check(
+        &t("w", &[1 << 62, 2], 0, 0),
+        |e| matches!(e, E::ShapeOverflow { .. }),
+        &["\"w\""],
+    );
     for id in [4u32, 5, 31, 40, 1000] {
-        check(&t("blk.0.x", &[32], id, 0), |e| matches!(e, E::UnknownTensorType { .. }), &["\"blk.0.x\"", &format!("unknown id {id}")]);
+        check(
+            &t("blk.0.x", &[32], id, 0),
+            |e| matches!(e, E::UnknownTensorType { .. }),
+            &["\"blk.0.x\"", &format!("unknown id {id}")],
+        );
     }
-    check(&t("q", &[100], 12, 0), |e| matches!(e, E::PartialBlock { n_elements: 100, .. }), &["multiple of 256", "q4_K"]);
-    check(&t("w", &[1], 0, 8), |e| matches!(e, E::MisalignedTensor { tensor_offset: 8, alignment: 32, .. }), &["\"w\""]);
-    check(&t("w", &[1], 0, 1 << 20), |e| matches!(e, E::TensorOutOfBounds { .. }), &["\"w\""]);
-    check(&t("w", &[1], 0, u64::MAX - 31), |e| matches!(e, E::TensorOutOfBounds { .. }), &["\"w\""]);
-    check(&t("w", &[2000], 0, 0), |e| matches!(e, E::TensorOutOfBounds { .. }), &["\"w\"", "bytes 64..8064"]);
+    check(
+        &t("q", &[100], 12, 0),
+        |e| {
+            matches!(
+                e,
+                E::PartialBlock {
+                    n_elements: 100,
+                    ..
+                }
+            )
+        },
+        &["multiple of 256", "q4_K"],
+    );
+    check(
+        &t("w", &[1], 0, 8),
+        |e| {
+            matches!(
+                e,
+                E::MisalignedTensor {
+                    tensor_offset: 8,
+                    alignment: 32,
+                    ..
+                }
+            )
+        },
+        &["\"w\""],
+    );
+    check(
+        &t("w", &[1], 0, 1 << 20),
+        |e| matches!(e, E::TensorOutOfBounds { .. }),
+        &["\"w\""],
+    );
+    check(
+        &t("w", &[1], 0, u64::MAX - 31),
+        |e| matches!(e, E::TensorOutOfBounds { .. }),
+        &["\"w\""],
+    );
+    check(
+        &t("w", &[2000], 0, 0),
+        |e| matches!(e, E::TensorOutOfBounds { .. }),
+        &["\"w\"", "bytes 64..8064"],
+    );
     let two = |a: &str, b: &str, off_b: u64| {
-        Raw::header(3, 2, 0).tensor(a, &[16], 0, 0).tensor(b, &[16], 0, off_b).pad(32).zeros(256).bytes
+        Raw::header(3, 2, 0)
+            .tensor(a, &[16], 0, 0)
+            .tensor(b, &[16], 0, off_b)
+            .pad(32)
+            .zeros(256)
+            .bytes
     };
-    check(&two("w", "w", 64), |e| matches!(e, E::DuplicateTensor { .. }), &["\"w\"", "duplicate"]);
-    check(&two("a", "b", 32), |e| matches!(e, E::TensorsOverlap { .. }), &["\"a\"", "\"b\""]);
+    check(
+        &two("w", "w", 64),
+        |e| matches!(e, E::DuplicateTensor { .. }),
+        &["\"w\"", "duplicate"],
+    );
+    check(
+        &two("a", "b", 32),
+        |e| matches!(e, E::TensorsOverlap { .. }),
+        &["\"a\"", "\"b\""],
+    );
     let dir = tmp();
     assert!(open_bytes(dir.path(), &two("a", "b", 64)).is_ok());
     // Tensor infos end the file before the data section begins.
     let cut = Raw::header(3, 1, 0).tensor("w", &[1], 0, 0).bytes;
-    check(&cut, |e| matches!(e, E::DataOffsetOutOfBounds { data_offset: 64, .. }), &["data section"]);
+    check(
+        &cut,
+        |e| {
+            matches!(
+                e,
+                E::DataOffsetOutOfBounds {
+                    data_offset: 64,
+                    ..
+                }
+            )
+        },
+        &["data section"],
+    );
 }
 
 #[test]
@@ -171,7 +388,12 @@ fn truncated_at_every_byte() {
     let full = sample_writer().to_bytes().unwrap_or_else(|e| panic!("{e}"));
     let dir = tmp();
     let g = open_bytes(dir.path(), &full).unwrap_or_else(|e| panic!("{e}"));
-    let data_end = g.tensors().iter().map(|t| t.offset + t.n_bytes).max().unwrap_or(0) as usize;
+    let data_end = g
+        .tensors()
+        .iter()
+        .map(|t| t.offset + t.n_bytes)
+        .max()
+        .unwrap_or(0) as usize;
     for len in 0..full.len() {
         let r = open_bytes(dir.path(), &full[..len]);
         if len < data_end {
@@ -190,7 +412,11 @@ fn truncated_at_every_byte() {
             }
         } else {
             // Only the padding after the last tensor is gone: still a whole model.
-            assert!(r.is_ok(), "truncated at {len} (data ends at {data_end}): {:?}", r.err());
+            assert!(
+                r.is_ok(),
+                "truncated at {len} (data ends at {data_end}): {:?}",
+                r.err()
+            );
         }
     }
 }
@@ -226,8 +452,14 @@ fn check_split(open: &Path, is: fn(&GgufError) -> bool, names: &str, says: &[&st
         Err(e) => {
             let msg = e.to_string();
             assert!(is(&e), "wrong variant: {e:?}");
-            let named = e.path().map(|p| p.to_string_lossy().into_owned()).unwrap_or_default();
-            assert!(named.ends_with(names), "error names {named}, expected {names}: {msg}");
+            let named = e
+                .path()
+                .map(|p| p.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            assert!(
+                named.ends_with(names),
+                "error names {named}, expected {names}: {msg}"
+            );
             assert!(msg.contains(names), "message does not name {names}: {msg}");
             for s in says {
                 assert!(msg.contains(s), "message lacks {s:?}: {msg}");
@@ -242,7 +474,21 @@ fn split_missing_shard() {
     let p = split3(dir.path());
     assert!(std::fs::remove_file(&p[1]).is_ok());
     for open in [&p[0], &p[2]] {
-        check_split(open, |e| matches!(e, GgufError::ShardMissing { no: 1, count: 3, .. }), "m-00002-of-00003.gguf", &["shard 2 of 3"]);
+        check_split(
+            open,
+            |e| {
+                matches!(
+                    e,
+                    GgufError::ShardMissing {
+                        no: 1,
+                        count: 3,
+                        ..
+                    }
+                )
+            },
+            "m-00002-of-00003.gguf",
+            &["shard 2 of 3"],
+        );
     }
 }
 
@@ -251,7 +497,12 @@ fn split_duplicated_shard() {
     let dir = tmp();
     let p = split3(dir.path());
     assert!(std::fs::copy(&p[1], &p[2]).is_ok());
-    check_split(&p[0], |e| matches!(e, GgufError::ShardDuplicate { no: 1, .. }), "m-00003-of-00003.gguf", &["m-00002-of-00003.gguf"]);
+    check_split(
+        &p[0],
+        |e| matches!(e, GgufError::ShardDuplicate { no: 1, .. }),
+        "m-00003-of-00003.gguf",
+        &["m-00002-of-00003.gguf"],
+    );
 }
 
 #[test]
@@ -262,7 +513,21 @@ fn split_files_out_of_order() {
     assert!(std::fs::rename(&p[0], &t).is_ok());
     assert!(std::fs::rename(&p[1], &p[0]).is_ok());
     assert!(std::fs::rename(&t, &p[1]).is_ok());
-    check_split(&p[2], |e| matches!(e, GgufError::ShardOutOfOrder { expected: 0, found: 1, .. }), "m-00001-of-00003.gguf", &["split.no"]);
+    check_split(
+        &p[2],
+        |e| {
+            matches!(
+                e,
+                GgufError::ShardOutOfOrder {
+                    expected: 0,
+                    found: 1,
+                    ..
+                }
+            )
+        },
+        "m-00001-of-00003.gguf",
+        &["split.no"],
+    );
 }
 
 #[test]
@@ -271,17 +536,56 @@ fn split_foreign_shard() {
     let p = split3(dir.path());
     // A shard of another 3-way split (of a 4-tensor model) dropped in as shard 2.
     shard(&p[1], 1, 3, 4, &["other.a", "other.b"]);
-    check_split(&p[0], |e| matches!(e, GgufError::ShardForeign { key: "split.tensors.count", .. }), "m-00002-of-00003.gguf", &["expected 8", "i32 4"]);
+    check_split(
+        &p[0],
+        |e| {
+            matches!(
+                e,
+                GgufError::ShardForeign {
+                    key: "split.tensors.count",
+                    ..
+                }
+            )
+        },
+        "m-00002-of-00003.gguf",
+        &["expected 8", "i32 4"],
+    );
     // A shard that says the set has 4 shards.
     let dir = tmp();
     let p = split3(dir.path());
     shard(&p[2], 2, 4, 8, &["blk.0.ffn_down.weight"]);
-    check_split(&p[0], |e| matches!(e, GgufError::ShardForeign { key: "split.count", .. }), "m-00003-of-00003.gguf", &["u16 3", "u16 4"]);
+    check_split(
+        &p[0],
+        |e| {
+            matches!(
+                e,
+                GgufError::ShardForeign {
+                    key: "split.count",
+                    ..
+                }
+            )
+        },
+        "m-00003-of-00003.gguf",
+        &["u16 3", "u16 4"],
+    );
     // A plain model under a shard's name.
     let dir = tmp();
     let p = split3(dir.path());
     assert!(sample_writer().write(&p[1]).is_ok());
-    check_split(&p[1], |e| matches!(e, GgufError::ShardForeign { key: "split.count", .. }), "m-00002-of-00003.gguf", &["no such key"]);
+    check_split(
+        &p[1],
+        |e| {
+            matches!(
+                e,
+                GgufError::ShardForeign {
+                    key: "split.count",
+                    ..
+                }
+            )
+        },
+        "m-00002-of-00003.gguf",
+        &["no such key"],
+    );
 }
 
 #[test]
@@ -289,18 +593,45 @@ fn split_tensor_in_two_shards() {
     let dir = tmp();
     let p = split3(dir.path());
     // Shard 3 repeats a tensor of shard 1 in place of one of its own.
-    shard(&p[2], 2, 3, 8, &["blk.0.ffn_gate.weight", "token_embd.weight"]);
-    check_split(&p[0], |e| matches!(e, GgufError::SplitDuplicateTensor { .. }), "m-00003-of-00003.gguf", &["\"token_embd.weight\"", "m-00001-of-00003.gguf"]);
+    shard(
+        &p[2],
+        2,
+        3,
+        8,
+        &["blk.0.ffn_gate.weight", "token_embd.weight"],
+    );
+    check_split(
+        &p[0],
+        |e| matches!(e, GgufError::SplitDuplicateTensor { .. }),
+        "m-00003-of-00003.gguf",
+        &["\"token_embd.weight\"", "m-00001-of-00003.gguf"],
+    );
 }
 
 #[test]
 fn split_wrong_tensors_count() {
     let dir = tmp();
-    let paths: Vec<PathBuf> = (0..3).map(|i| engine::gguf::split_path(dir.path().join("m"), i, 3)).collect();
+    let paths: Vec<PathBuf> = (0..3)
+        .map(|i| engine::gguf::split_path(dir.path().join("m"), i, 3))
+        .collect();
     shard(&paths[0], 0, 3, 7, &["a", "b"]);
     shard(&paths[1], 1, 3, 7, &["c", "d"]);
     shard(&paths[2], 2, 3, 7, &["e"]);
-    check_split(&paths[1], |e| matches!(e, GgufError::SplitTensorCount { expected: 7, found: 5, .. }), "m-00001-of-00003.gguf", &["expected 7 tensors", "found 5"]);
+    check_split(
+        &paths[1],
+        |e| {
+            matches!(
+                e,
+                GgufError::SplitTensorCount {
+                    expected: 7,
+                    found: 5,
+                    ..
+                }
+            )
+        },
+        "m-00001-of-00003.gguf",
+        &["expected 7 tensors", "found 5"],
+    );
 }
 
 #[test]
@@ -310,10 +641,17 @@ fn split_names_and_counts() {
     let p = split3(dir.path());
     let renamed = dir.path().join("renamed.gguf");
     assert!(std::fs::rename(&p[0], &renamed).is_ok());
-    check_split(&renamed, |e| matches!(e, GgufError::SplitName { .. }), "renamed.gguf", &["-NNNNN-of-NNNNN.gguf", "u16 3"]);
+    check_split(
+        &renamed,
+        |e| matches!(e, GgufError::SplitName { .. }),
+        "renamed.gguf",
+        &["-NNNNN-of-NNNNN.gguf", "u16 3"],
+    );
     // A one-shard set opens whatever its name.
     let dir = tmp();
-    let one = sample_writer().write_split(dir.path().join("solo"), 100).unwrap_or_else(|e| panic!("{e}"));
+    let one = sample_writer()
+        .write_split(dir.path().join("solo"), 100)
+        .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(one.len(), 1);
     assert!(one[0].ends_with("solo-00001-of-00001.gguf"));
     assert!(Gguf::open(&one[0]).is_ok_and(|g| g.tensors().len() == 8));

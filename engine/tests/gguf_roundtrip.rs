@@ -33,7 +33,9 @@ fn same(ours: &V, theirs: &CV) -> bool {
         (V::F64(a), CV::F64(b)) => a.to_bits() == b.to_bits(),
         (V::Bool(a), CV::Bool(b)) => a == b,
         (V::String(a), CV::String(b)) => a == b,
-        (V::Array(a), CV::Array(b)) => a.len() == b.len() && a.iter().zip(b).all(|(x, y)| same(x, y)),
+        (V::Array(a), CV::Array(b)) => {
+            a.len() == b.len() && a.iter().zip(b).all(|(x, y)| same(x, y))
+        }
         _ => false,
     }
 }
@@ -54,7 +56,10 @@ fn check_candle(g: &Gguf, shard: usize) {
         assert_eq!(c.metadata.len(), g.metadata().len());
         for (k, v) in g.metadata() {
             let theirs = c.metadata.get(k);
-            assert!(theirs.is_some_and(|t| same(v, t)), "{k}: ours {v:?}, candle {theirs:?}");
+            assert!(
+                theirs.is_some_and(|t| same(v, t)),
+                "{k}: ours {v:?}, candle {theirs:?}"
+            );
         }
     }
     let ours: Vec<_> = g.tensors().iter().filter(|t| t.shard == shard).collect();
@@ -63,7 +68,12 @@ fn check_candle(g: &Gguf, shard: usize) {
         let Some(ct) = c.tensor_infos.get(&t.name) else {
             panic!("candle lacks tensor {}", t.name)
         };
-        assert_eq!(format!("{:?}", ct.ggml_dtype), format!("{:?}", t.ggml_type), "{}", t.name);
+        assert_eq!(
+            format!("{:?}", ct.ggml_dtype),
+            format!("{:?}", t.ggml_type),
+            "{}",
+            t.name
+        );
         let mut rev: Vec<usize> = t.dims.iter().map(|&d| d as usize).collect();
         rev.reverse();
         assert_eq!(ct.shape.dims(), rev.as_slice(), "{}", t.name);
@@ -91,10 +101,16 @@ fn check_sample(g: &Gguf, extra: &[&str]) {
     let tensors = sample_tensors();
     assert_eq!(g.tensors().len(), tensors.len());
     for (i, (name, ty, dims)) in tensors.iter().enumerate() {
-        let Some(t) = g.tensor(name) else { panic!("missing {name}") };
+        let Some(t) = g.tensor(name) else {
+            panic!("missing {name}")
+        };
         assert_eq!((t.ggml_type, &t.dims), (*ty, dims), "{name}");
         assert_eq!(Some(t.n_bytes), ty.bytes_for(t.n_elements()));
-        assert_eq!(g.tensor_data(t), bytes(t.n_bytes as usize, i as u64 + 1), "{name}");
+        assert_eq!(
+            g.tensor_data(t),
+            bytes(t.n_bytes as usize, i as u64 + 1),
+            "{name}"
+        );
         let shard = &g.shards()[t.shard];
         assert_eq!(t.offset % shard.alignment, 0, "{name} aligned");
     }
@@ -109,7 +125,11 @@ fn round_trip_through_ours_and_candle() {
         w.set_alignment(alignment);
         assert!(w.write(&p).is_ok());
         let g = open(&p);
-        let extra: &[&str] = if alignment == 32 { &[] } else { &["general.alignment"] };
+        let extra: &[&str] = if alignment == 32 {
+            &[]
+        } else {
+            &["general.alignment"]
+        };
         check_sample(&g, extra);
         assert_eq!(g.shards().len(), 1);
         assert_eq!(g.shards()[0].version, 3);
@@ -131,13 +151,17 @@ fn known_but_unsupported_types_read_fine() {
     for (i, ty) in GgmlType::ALL.into_iter().enumerate() {
         let n = ty.block_size() as u64 * 2;
         let data = bytes(ty.bytes_for(n).unwrap_or(0) as usize, i as u64);
-        assert!(w.add_tensor(format!("t{i}.{}", ty.name()), ty, &[n], data).is_ok());
+        assert!(w
+            .add_tensor(format!("t{i}.{}", ty.name()), ty, &[n], data)
+            .is_ok());
     }
     assert!(w.write(&p).is_ok());
     let g = open(&p);
     let types: Vec<GgmlType> = g.tensors().iter().map(|t| t.ggml_type).collect();
     assert_eq!(types, GgmlType::ALL.to_vec());
-    assert!(g.tensor("t14.iq2_xxs").is_some_and(|t| !t.ggml_type.is_supported()));
+    assert!(g
+        .tensor("t14.iq2_xxs")
+        .is_some_and(|t| !t.ggml_type.is_supported()));
 }
 
 #[test]
@@ -163,7 +187,14 @@ fn split_round_trip_from_any_shard() {
         .iter()
         .filter_map(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
         .collect();
-    assert_eq!(names, ["m-00001-of-00003.gguf", "m-00002-of-00003.gguf", "m-00003-of-00003.gguf"]);
+    assert_eq!(
+        names,
+        [
+            "m-00001-of-00003.gguf",
+            "m-00002-of-00003.gguf",
+            "m-00003-of-00003.gguf"
+        ]
+    );
     let split_keys = ["split.no", "split.count", "split.tensors.count"];
     for p in paths.iter().rev() {
         let g = open(p);
@@ -186,7 +217,10 @@ fn split_round_trip_from_any_shard() {
     keys.sort();
     assert_eq!(keys, ["split.count", "split.no", "split.tensors.count"]);
     assert!(matches!(c.metadata.get("split.no"), Some(CV::U16(1))));
-    assert!(matches!(c.metadata.get("split.tensors.count"), Some(CV::I32(8))));
+    assert!(matches!(
+        c.metadata.get("split.tensors.count"),
+        Some(CV::I32(8))
+    ));
 }
 
 #[test]
@@ -198,27 +232,44 @@ fn writer_refuses_what_gguf_cannot_hold() {
         }
     }
     let add = |ty, dims: &[u64], len| {
-        GgufWriter::new().add_tensor("t", ty, dims, vec![0; len]).map(|_| ())
+        GgufWriter::new()
+            .add_tensor("t", ty, dims, vec![0; len])
+            .map(|_| ())
     };
     check(add(GgmlType::F32, &[3], 11), "expected 12 bytes, found 11");
     check(add(GgmlType::Q4K, &[100], 0), "whole number of blocks");
-    check(add(GgmlType::F32, &[1, 1, 1, 1, 1], 4), "at most 4 dimensions");
+    check(
+        add(GgmlType::F32, &[1, 1, 1, 1, 1], 4),
+        "at most 4 dimensions",
+    );
     check(add(GgmlType::F32, &[0], 0), "dimensions > 0");
     check(add(GgmlType::F32, &[u64::MAX, 2], 0), "fits in u64");
     let long = "x".repeat(64);
     check(
-        GgufWriter::new().add_tensor(long, GgmlType::F32, &[1], vec![0; 4]).map(|_| ()),
+        GgufWriter::new()
+            .add_tensor(long, GgmlType::F32, &[1], vec![0; 4])
+            .map(|_| ()),
         "1 to 63 bytes",
     );
     let mut w = GgufWriter::new();
     assert!(w.add_tensor("t", GgmlType::F32, &[1], vec![0; 4]).is_ok());
-    check(w.add_tensor("t", GgmlType::F32, &[1], vec![0; 4]).map(|_| ()), "duplicate");
+    check(
+        w.add_tensor("t", GgmlType::F32, &[1], vec![0; 4])
+            .map(|_| ()),
+        "duplicate",
+    );
     w.set_alignment(48);
     check(w.to_bytes().map(|_| ()), "power of two, found 48");
     let mut w = GgufWriter::new();
     w.add_metadata("a", V::Array(vec![V::U8(1), V::I8(1)]));
-    check(w.to_bytes().map(|_| ()), "metadata \"a\" element 1: expected u8 like element 0, found i8");
-    check(sample_writer().write_split("x.gguf", 0).map(|_| ()), "at least 1");
+    check(
+        w.to_bytes().map(|_| ()),
+        "metadata \"a\" element 1: expected u8 like element 0, found i8",
+    );
+    check(
+        sample_writer().write_split("x.gguf", 0).map(|_| ()),
+        "at least 1",
+    );
 }
 
 #[test]
@@ -232,8 +283,14 @@ fn real_model() {
     println!("opened {} in {:?}", path.display(), t0.elapsed());
     assert_eq!(g.tensors().len(), 236);
     let types: BTreeSet<GgmlType> = g.tensors().iter().map(|t| t.ggml_type).collect();
-    let want: BTreeSet<GgmlType> =
-        [GgmlType::Q4K, GgmlType::Q5_0, GgmlType::Q6K, GgmlType::Q8_0, GgmlType::F32].into();
+    let want: BTreeSet<GgmlType> = [
+        GgmlType::Q4K,
+        GgmlType::Q5_0,
+        GgmlType::Q6K,
+        GgmlType::Q8_0,
+        GgmlType::F32,
+    ]
+    .into();
     assert_eq!(types, want);
     assert_eq!(g.architecture().ok(), Some("gemma3"));
     let tokens = g.get_str_array("tokenizer.ggml.tokens").unwrap_or_default();
@@ -251,13 +308,24 @@ fn real_model() {
     assert_eq!(paths.len(), 3);
     let s = open(&paths[2]);
     assert_eq!(s.shards().len(), 3);
-    let md: Vec<_> = s.metadata().iter().filter(|(k, _)| !k.starts_with("split.")).collect();
+    let md: Vec<_> = s
+        .metadata()
+        .iter()
+        .filter(|(k, _)| !k.starts_with("split."))
+        .collect();
     let orig: Vec<_> = g.metadata().iter().collect();
     assert!(md == orig, "metadata differs after a split round trip");
     assert_eq!(s.tensors().len(), g.tensors().len());
     for (a, b) in g.tensors().iter().zip(s.tensors()) {
-        assert_eq!((&a.name, a.ggml_type, &a.dims), (&b.name, b.ggml_type, &b.dims));
-        assert!(g.tensor_data(a) == s.tensor_data(b), "{} data differs", a.name);
+        assert_eq!(
+            (&a.name, a.ggml_type, &a.dims),
+            (&b.name, b.ggml_type, &b.dims)
+        );
+        assert!(
+            g.tensor_data(a) == s.tensor_data(b),
+            "{} data differs",
+            a.name
+        );
     }
     for i in 0..3 {
         check_candle(&s, i);

@@ -103,3 +103,31 @@ mod tests {
         }
     }
 }
+
+/// The pieces of the standard teacher-forced test sequence: `<s>` and 20 word pieces, long enough
+/// to cross the gemma3 fixture's sliding window of 8 more than twice.
+pub const SAMPLE_PIECES: &[&str] = &[
+    "<s>", "▁the", "▁quick", "▁brown", "▁fox", "▁jumps", "▁over", "▁the", "▁lazy", "▁dog", ".",
+    "▁The", "▁capital", "▁of", "▁France", "▁is", "▁Paris", ",", "▁one", "▁two", "▁three",
+];
+
+/// [`SAMPLE_PIECES`] as token ids of the fixture vocabulary.
+pub fn sample_tokens() -> Vec<u32> {
+    let v = pieces();
+    SAMPLE_PIECES
+        .iter()
+        .filter_map(|s| v.iter().position(|p| p.text == *s))
+        .filter_map(|i| u32::try_from(i).ok())
+        .collect()
+}
+
+#[cfg(test)]
+mod sample_tests {
+    use super::*;
+
+    #[test]
+    fn every_sample_piece_is_in_the_vocabulary() {
+        assert_eq!(sample_tokens().len(), SAMPLE_PIECES.len());
+        assert_eq!(sample_tokens()[0], BOS_ID);
+    }
+}

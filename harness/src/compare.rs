@@ -8,7 +8,7 @@ use std::collections::{BTreeMap, HashMap};
 
 use serde::{Deserialize, Serialize};
 
-use crate::float::fmt_sig;
+use crate::float::{fmt_cosine, fmt_sig};
 use crate::tap::{Tap, TapId, TapKind};
 use crate::tolerance::{CaseContext, Tolerance, TolerancePolicy};
 
@@ -161,7 +161,7 @@ impl std::fmt::Display for Violation {
                 write!(f, "NMSE {} > {}", fmt_sig(*value), fmt_sig(*max))
             }
             Violation::Cosine { value, min } => {
-                write!(f, "cosine {} < {}", fmt_sig(*value), fmt_sig(*min))
+                write!(f, "cosine {} < {}", fmt_cosine(*value), fmt_cosine(*min))
             }
         }
     }
@@ -176,14 +176,16 @@ pub fn check_tolerance(m: &TapMetrics, tol: &Tolerance) -> Vec<Violation> {
             first_index: m.non_finite.first_mismatch,
         });
     }
-    // `!(x <= max)` so that a NaN metric fails.
-    if !(m.nmse <= tol.nmse_max) {
+    // Written so that a NaN metric fails: NaN <= x and NaN >= x are both false.
+    let nmse_ok = m.nmse <= tol.nmse_max;
+    let cosine_ok = m.cosine >= tol.cosine_min;
+    if !nmse_ok {
         v.push(Violation::Nmse {
             value: m.nmse,
             max: tol.nmse_max,
         });
     }
-    if !(m.cosine >= tol.cosine_min) {
+    if !cosine_ok {
         v.push(Violation::Cosine {
             value: m.cosine,
             min: tol.cosine_min,
@@ -260,7 +262,10 @@ impl std::fmt::Display for Finding {
                 tap,
                 engine,
                 reference,
-            } => write!(f, "{tap}: shape {engine:?} in the engine, {reference:?} in the reference"),
+            } => write!(
+                f,
+                "{tap}: shape {engine:?} in the engine, {reference:?} in the reference"
+            ),
             Finding::DataLength {
                 tap,
                 side: s,
@@ -485,7 +490,12 @@ pub fn compare_taps(
     let mut extra_seen = std::collections::HashSet::new();
     for (i, e) in engine.iter().enumerate() {
         if !ref_by_name.contains_key(e.name.as_str()) && extra_seen.insert(e.name.as_str()) {
-            findings.push((reference.len() + i, Finding::ExtraTap { tap: e.name.clone() }));
+            findings.push((
+                reference.len() + i,
+                Finding::ExtraTap {
+                    tap: e.name.clone(),
+                },
+            ));
         }
     }
     // Stable: at equal positions the order of discovery is kept.
@@ -516,15 +526,28 @@ mod tests {
     fn check_metrics(a: &[f32], b: &[f32], nmse: f64, cosine: f64) {
         let m = tap_metrics(a, b, a.len());
         let close = |x: f64, y: f64| (x == y) || (x - y).abs() <= 1e-12 * y.abs().max(1.0);
-        assert!(close(m.nmse, nmse), "nmse {} != {nmse} for {a:?} vs {b:?}", m.nmse);
-        assert!(close(m.cosine, cosine), "cosine {} != {cosine} for {a:?} vs {b:?}", m.cosine);
+        assert!(
+            close(m.nmse, nmse),
+            "nmse {} != {nmse} for {a:?} vs {b:?}",
+            m.nmse
+        );
+        assert!(
+            close(m.cosine, cosine),
+            "cosine {} != {cosine} for {a:?} vs {b:?}",
+            m.cosine
+        );
     }
 
     #[test]
     fn nmse_and_cosine_by_hand() {
         check_metrics(&[1.0, 2.0], &[1.0, 2.0], 0.0, 1.0);
         // err² = 1, ref² = 1+4 = 5.
-        check_metrics(&[1.0, 3.0], &[1.0, 2.0], 0.2, 7.0 / (10f64.sqrt() * 5f64.sqrt()));
+        check_metrics(
+            &[1.0, 3.0],
+            &[1.0, 2.0],
+            0.2,
+            7.0 / (10f64.sqrt() * 5f64.sqrt()),
+        );
         // Orthogonal, same norm: NMSE 2, cosine 0.
         check_metrics(&[0.0, 1.0], &[1.0, 0.0], 2.0, 0.0);
         // Scaled: NMSE (2−1)² = 1, cosine 1 (NMSE sees scale, cosine does not).
@@ -541,8 +564,14 @@ mod tests {
 
     #[test]
     fn max_abs_error_reports_position_and_values() {
-        let m = tap_metrics(&[1.0, 2.0, 3.0, 4.0, 5.5, 6.0], &[1.0, 2.0, 3.0, 4.0, 5.0, 6.1], 3);
-        let Some(mx) = m.max_abs else { panic!("no max abs") };
+        let m = tap_metrics(
+            &[1.0, 2.0, 3.0, 4.0, 5.5, 6.0],
+            &[1.0, 2.0, 3.0, 4.0, 5.0, 6.1],
+            3,
+        );
+        let Some(mx) = m.max_abs else {
+            panic!("no max abs")
+        };
         assert_eq!((mx.flat_index, mx.token, mx.column), (4, 1, 1));
         assert_eq!((mx.engine, mx.reference), (5.5, 5.0));
         assert!((mx.abs_error - 0.5).abs() < 1e-12);
@@ -555,10 +584,16 @@ mod tests {
         assert_eq!(m.non_finite.first_mismatch, Some(1));
         // The NaN index is excluded from the sums: the rest agrees exactly.
         assert_eq!(m.nmse, 0.0);
-        let tol = Tolerance { nmse_max: 1.0, cosine_min: 0.0 };
+        let tol = Tolerance {
+            nmse_max: 1.0,
+            cosine_min: 0.0,
+        };
         assert!(matches!(
             check_tolerance(&m, &tol).as_slice(),
-            [Violation::NonFiniteParity { mismatches: 1, first_index: Some(1) }]
+            [Violation::NonFiniteParity {
+                mismatches: 1,
+                first_index: Some(1)
+            }]
         ));
     }
 
@@ -567,7 +602,10 @@ mod tests {
         let inf = f32::INFINITY;
         let m = tap_metrics(&[f32::NAN, inf, -inf, 1.0], &[f32::NAN, inf, -inf, 1.0], 4);
         assert!(m.non_finite.parity());
-        assert_eq!((m.non_finite.engine_nan, m.non_finite.reference_inf), (1, 2));
+        assert_eq!(
+            (m.non_finite.engine_nan, m.non_finite.reference_inf),
+            (1, 2)
+        );
         let m = tap_metrics(&[inf, 1.0], &[-inf, 1.0], 2);
         assert_eq!(m.non_finite.mismatches, 1);
         let m = tap_metrics(&[f32::NAN, 1.0], &[inf, 1.0], 2);
@@ -583,7 +621,10 @@ mod tests {
             non_finite: NonFinite::default(),
             len: 0,
         };
-        let tol = Tolerance { nmse_max: 1.0, cosine_min: 0.0 };
+        let tol = Tolerance {
+            nmse_max: 1.0,
+            cosine_min: 0.0,
+        };
         assert_eq!(check_tolerance(&m, &tol).len(), 2);
     }
 
@@ -628,10 +669,15 @@ mod tests {
             _ => 0.0,
         });
         let c = compare_taps(&engine, &reference, &TolerancePolicy::default(), &ctx());
-        let d = c.first_divergence.as_ref().map(|d| (d.position, d.finding.tap().to_owned()));
+        let d = c
+            .first_divergence
+            .as_ref()
+            .map(|d| (d.position, d.finding.tap().to_owned()));
         assert_eq!(d, Some((3, "blk.1.q".to_owned())));
         assert_eq!(c.findings.len(), 3);
-        assert!(c.tap("blk.0.q").is_some_and(|t| t.passed() && t.metrics.nmse > 0.0));
+        assert!(c
+            .tap("blk.0.q")
+            .is_some_and(|t| t.passed() && t.metrics.nmse > 0.0));
     }
 
     #[test]
@@ -653,7 +699,10 @@ mod tests {
                 "blk.0.router: emitted by the engine only",
             ]
         );
-        assert_eq!(first(&c).as_deref(), Some("blk.0.out: missing from the engine"));
+        assert_eq!(
+            first(&c).as_deref(),
+            Some("blk.0.out: missing from the engine")
+        );
     }
 
     #[test]
@@ -701,5 +750,38 @@ mod tests {
         assert_eq!(out[0], (0, 0.0));
         assert!((out[1].1 - 1.0 / 204.0).abs() < 1e-12);
         assert!(s[1].points[0].nmse_max < s[1].points[1].nmse_max);
+    }
+}
+
+#[cfg(test)]
+mod props {
+    use super::tap_metrics;
+    use proptest::prelude::*;
+
+    proptest! {
+        #[test]
+        fn metrics_are_bounded_and_scale_free(
+            pairs in proptest::collection::vec((-1e3f32..1e3, -1e3f32..1e3), 1..64),
+            // Powers of two scale exactly in binary floating point.
+            exp in -8i32..8,
+        ) {
+            let (a, b): (Vec<f32>, Vec<f32>) = pairs.into_iter().unzip();
+            let m = tap_metrics(&a, &b, 4);
+            prop_assert!(m.nmse >= 0.0);
+            prop_assert!((-1.0..=1.0).contains(&m.cosine));
+            prop_assert!(m.non_finite.parity());
+            prop_assert_eq!(tap_metrics(&b, &b, 4).nmse, 0.0);
+            let k = 2f32.powi(exp);
+            let scaled = tap_metrics(
+                &a.iter().map(|x| x * k).collect::<Vec<_>>(),
+                &b.iter().map(|x| x * k).collect::<Vec<_>>(),
+                4,
+            );
+            // Exact power-of-two scaling leaves every ratio unchanged, up to f64 summation rounding.
+            if m.nmse.is_finite() {
+                prop_assert!((scaled.nmse - m.nmse).abs() <= 1e-12 * m.nmse.max(1e-300));
+            }
+            prop_assert!((scaled.cosine - m.cosine).abs() <= 1e-12);
+        }
     }
 }

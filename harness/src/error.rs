@@ -17,7 +17,9 @@ pub enum HarnessError {
     UnknownTopology(String),
     #[error("unknown speculation mode `{0}`: expected off or tree-bBkK (e.g. tree-b8k4)")]
     UnknownSpec(String),
-    #[error("malformed case name `{name}`: {why} (expected arch/weights/backend/tpN-topology/spec)")]
+    #[error(
+        "malformed case name `{name}`: {why} (expected arch/weights/backend/tpN-topology/spec)"
+    )]
     CaseName { name: String, why: String },
     #[error("malformed --only `{0}`: expected AXIS=VALUE with AXIS one of model, weights, backend, tp, topology, spec")]
     OnlyFilter(String),

@@ -60,6 +60,17 @@ pub fn fmt_sig(v: f64) -> String {
     }
 }
 
+/// A cosine with enough decimals that 1 − cos keeps three significant digits (0.99999664, not
+/// 1.000), so a floor just below 1 and a value just below the floor stay distinguishable.
+pub fn fmt_cosine(c: f64) -> String {
+    let gap = 1.0 - c;
+    if !c.is_finite() || !(1e-12..0.1).contains(&gap) {
+        return fmt_sig(c);
+    }
+    let decimals = (-gap.log10()).ceil() as usize + 2;
+    format!("{c:.decimals$}")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -91,13 +102,25 @@ mod tests {
             (1.234e-7, "1.23e-7"),
             (0.01234, "0.0123"),
             (0.5, "0.500"),
-            (3.14159, "3.14"),
+            (3.21987, "3.22"),
             (42.42, "42.4"),
             (123.4, "123"),
             (2.5e6, "2.50e6"),
             (f64::INFINITY, "inf"),
         ] {
             assert_eq!(fmt_sig(v), s, "{v}");
+        }
+    }
+
+    #[test]
+    fn cosines_near_one_keep_their_gap() {
+        for (v, s) in [
+            (1.0 - 3.36e-6, "0.99999664"),
+            (0.98817, "0.9882"),
+            (0.5, "0.500"),
+            (1.0, "1.00"),
+        ] {
+            assert_eq!(fmt_cosine(v), s, "{v}");
         }
     }
 }

@@ -75,6 +75,9 @@ mod tests {
     #[test]
     fn displays_value_threshold_and_detail() {
         let g = GateResult::at_most("kld_mean", 0.02, 0.005, "worst at position 7".into());
-        assert_eq!(g.to_string(), "kld_mean failed: 0.0200 (threshold 5.00e-3); worst at position 7");
+        assert_eq!(
+            g.to_string(),
+            "kld_mean failed: 0.0200 (threshold 0.00500); worst at position 7"
+        );
     }
 }

@@ -79,10 +79,7 @@ impl TapKind {
 
     /// Whether taps of this kind carry a layer index (`blk.{i}.…`).
     pub fn is_per_layer(self) -> bool {
-        !matches!(
-            self,
-            TapKind::Embed | TapKind::OutputNorm | TapKind::Logits
-        )
+        !matches!(self, TapKind::Embed | TapKind::OutputNorm | TapKind::Logits)
     }
 
     fn per_layer_from_str(s: &str) -> Option<TapKind> {
@@ -110,11 +107,24 @@ impl TapId {
     /// Parse a tap name of `docs/TAPS.md`; `None` for a name outside the contract.
     pub fn parse(name: &str) -> Option<TapId> {
         match name {
-            "embed" => return Some(TapId { kind: TapKind::Embed, layer: None }),
-            "output_norm" => {
-                return Some(TapId { kind: TapKind::OutputNorm, layer: None })
+            "embed" => {
+                return Some(TapId {
+                    kind: TapKind::Embed,
+                    layer: None,
+                })
             }
-            "logits" => return Some(TapId { kind: TapKind::Logits, layer: None }),
+            "output_norm" => {
+                return Some(TapId {
+                    kind: TapKind::OutputNorm,
+                    layer: None,
+                })
+            }
+            "logits" => {
+                return Some(TapId {
+                    kind: TapKind::Logits,
+                    layer: None,
+                })
+            }
             _ => {}
         }
         let rest = name.strip_prefix("blk.")?;
@@ -128,7 +138,10 @@ impl TapId {
         }
         let layer = layer.parse().ok()?;
         let kind = TapKind::per_layer_from_str(kind)?;
-        Some(TapId { kind, layer: Some(layer) })
+        Some(TapId {
+            kind,
+            layer: Some(layer),
+        })
     }
 }
 

@@ -65,22 +65,32 @@ pub fn measure_memory_bandwidth() -> Result<Bandwidth> {
 
 /// Read-only bandwidth: each pass sums a `bytes`-sized buffer of u64 split across `threads`
 /// (decode reads weights and never writes them, so a read-only sum is the matching pattern).
-pub fn measure_memory_bandwidth_with(bytes: usize, passes: usize, threads: usize) -> Result<Bandwidth> {
+pub fn measure_memory_bandwidth_with(
+    bytes: usize,
+    passes: usize,
+    threads: usize,
+) -> Result<Bandwidth> {
     if passes == 0 || threads == 0 {
         return Err(HarnessError::Parameter {
             name: "passes/threads",
-            why: format!("expected at least 1 of each, found {passes} passes and {threads} threads"),
+            why: format!(
+                "expected at least 1 of each, found {passes} passes and {threads} threads"
+            ),
         });
     }
     let words = bytes / 8;
     if words < threads {
         return Err(HarnessError::Parameter {
             name: "bytes",
-            why: format!("expected at least 8 bytes per thread, found {bytes} bytes for {threads} threads"),
+            why: format!(
+                "expected at least 8 bytes per thread, found {bytes} bytes for {threads} threads"
+            ),
         });
     }
     // Non-zero, non-constant contents so no page is shared zero memory and nothing folds away.
-    let buf: Vec<u64> = (0..words as u64).map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1).collect();
+    let buf: Vec<u64> = (0..words as u64)
+        .map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+        .collect();
     let chunk = words.div_ceil(threads);
     let pass = || -> f64 {
         let start = Instant::now();
@@ -126,7 +136,11 @@ fn sum_words(part: &[u64]) -> u64 {
 /// Fraction of the memory roofline a decode reaches: the time reading the weights would take at
 /// `bandwidth_bytes_per_s`, over the measured seconds per token. 1.0 is bandwidth-bound perfection;
 /// `None` for non-positive inputs.
-pub fn roofline_fraction(weight_bytes_per_token: f64, bandwidth_bytes_per_s: f64, secs_per_token: f64) -> Option<f64> {
+pub fn roofline_fraction(
+    weight_bytes_per_token: f64,
+    bandwidth_bytes_per_s: f64,
+    secs_per_token: f64,
+) -> Option<f64> {
     (weight_bytes_per_token > 0.0 && bandwidth_bytes_per_s > 0.0 && secs_per_token > 0.0)
         .then(|| (weight_bytes_per_token / bandwidth_bytes_per_s) / secs_per_token)
 }
@@ -202,7 +216,11 @@ impl Baselines {
         let figures: [(&'static str, f64, Option<f64>); 3] = {
             let b = self.get(case);
             [
-                ("prefill_tps", measured.prefill_tps, b.map(|b| b.prefill_tps)),
+                (
+                    "prefill_tps",
+                    measured.prefill_tps,
+                    b.map(|b| b.prefill_tps),
+                ),
                 ("decode_tps", measured.decode_tps, b.map(|b| b.decode_tps)),
                 ("roofline", measured.roofline, b.map(|b| b.roofline)),
             ]
@@ -212,7 +230,11 @@ impl Baselines {
             .map(|(gate, value, base)| match base {
                 Some(base) => {
                     let floor = base * (1.0 - margin);
-                    let change = if base > 0.0 { value / base - 1.0 } else { f64::NAN };
+                    let change = if base > 0.0 {
+                        value / base - 1.0
+                    } else {
+                        f64::NAN
+                    };
                     GateResult::at_least(
                         gate,
                         value,
@@ -230,7 +252,8 @@ impl Baselines {
                     passed: true,
                     value,
                     threshold: f64::NAN,
-                    detail: "no baseline recorded (not gated); record one with --update-baselines".into(),
+                    detail: "no baseline recorded (not gated); record one with --update-baselines"
+                        .into(),
                 },
             })
             .collect()
@@ -280,7 +303,11 @@ mod tests {
     }
 
     fn fig(prefill_tps: f64, decode_tps: f64, roofline: f64) -> Baseline {
-        Baseline { prefill_tps, decode_tps, roofline }
+        Baseline {
+            prefill_tps,
+            decode_tps,
+            roofline,
+        }
     }
 
     #[test]
@@ -290,7 +317,14 @@ mod tests {
         // prefill −20% passes, decode −30% fails, roofline up passes.
         let g = b.gates("c", &fig(80.0, 14.0, 0.6), DEFAULT_NOISE_MARGIN);
         let verdicts: Vec<(&str, bool)> = g.iter().map(|g| (g.gate, g.passed)).collect();
-        assert_eq!(verdicts, [("prefill_tps", true), ("decode_tps", false), ("roofline", true)]);
+        assert_eq!(
+            verdicts,
+            [
+                ("prefill_tps", true),
+                ("decode_tps", false),
+                ("roofline", true)
+            ]
+        );
         assert_eq!(g[1].threshold, 15.0);
         assert_eq!(g[1].detail, "baseline 20.0, -30.0% (fails below −25%)");
     }
@@ -298,7 +332,9 @@ mod tests {
     #[test]
     fn missing_baseline_is_reported_not_failed() {
         let g = Baselines::default().gates("new/case", &fig(1.0, 1.0, 0.1), DEFAULT_NOISE_MARGIN);
-        assert!(g.iter().all(|g| g.passed && g.detail.starts_with("no baseline")));
+        assert!(g
+            .iter()
+            .all(|g| g.passed && g.detail.starts_with("no baseline")));
     }
 
     #[test]
@@ -318,6 +354,9 @@ mod tests {
         assert!(text.ends_with("}\n"));
         assert_eq!(Baselines::load(&path).ok(), Some(b));
         std::fs::write(&path, "{\"a\": 1}").unwrap_or_default();
-        assert!(matches!(Baselines::load(&path), Err(HarnessError::Json { .. })));
+        assert!(matches!(
+            Baselines::load(&path),
+            Err(HarnessError::Json { .. })
+        ));
     }
 }

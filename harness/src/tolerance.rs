@@ -198,7 +198,11 @@ impl TolerancePolicy {
             WeightClass::Bf16 => self.matmul_nmse_bf16,
             WeightClass::Quantized => self.matmul_nmse_quantized,
         };
-        let backend = if ctx.backend.is_cuda() { self.cuda_factor } else { 1.0 };
+        let backend = if ctx.backend.is_cuda() {
+            self.cuda_factor
+        } else {
+            1.0
+        };
         matmul.max(self.elementwise_nmse) * backend
     }
 
@@ -217,10 +221,16 @@ impl TolerancePolicy {
             _ => layer.unwrap_or(0),
         };
         let raw = if s == 0 {
-            let backend = if ctx.backend.is_cuda() { self.cuda_factor } else { 1.0 };
+            let backend = if ctx.backend.is_cuda() {
+                self.cuda_factor
+            } else {
+                1.0
+            };
             self.elementwise_nmse * backend
         } else {
-            self.stage_nmse(ctx) * s as f64 * self.layer_growth.powi(depth.min(i32::MAX as usize) as i32)
+            self.stage_nmse(ctx)
+                * s as f64
+                * self.layer_growth.powi(depth.min(i32::MAX as usize) as i32)
         };
         let nmse_max = (raw * self.headroom).min(self.nmse_cap);
         Tolerance {
@@ -319,7 +329,10 @@ mod tests {
     #[test]
     fn embed_is_elementwise_whatever_the_weights() {
         for w in ["f32", "q4_0", "bf16"] {
-            assert_eq!(nmse(TapKind::Embed, None, w, "cpu-scalar"), 4.0 * ELEMENTWISE_NMSE);
+            assert_eq!(
+                nmse(TapKind::Embed, None, w, "cpu-scalar"),
+                4.0 * ELEMENTWISE_NMSE
+            );
         }
     }
 
@@ -330,7 +343,14 @@ mod tests {
         let mut prev = 0.0;
         let mut order = vec![(TapKind::Embed, None)];
         for l in 0..18 {
-            for k in [TapKind::AttnNorm, TapKind::Q, TapKind::Attn, TapKind::AttnOut, TapKind::Router, TapKind::Out] {
+            for k in [
+                TapKind::AttnNorm,
+                TapKind::Q,
+                TapKind::Attn,
+                TapKind::AttnOut,
+                TapKind::Router,
+                TapKind::Out,
+            ] {
                 order.push((k, Some(l)));
             }
         }

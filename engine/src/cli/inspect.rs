@@ -58,13 +58,13 @@ fn to_text(gguf: &Gguf) -> String {
     let _ = writeln!(s, "\ntensors ({}):", tensors.len());
     let _ = writeln!(
         s,
-        "  {:<name_w$}  {:<7}  {:<22}  {:>12}  {:>5}  {:>12}",
+        "  {:<name_w$}  {:<8}  {:<22}  {:>12}  {:>5}  {:>12}",
         "name", "type", "shape", "bytes", "shard", "offset"
     );
     for t in tensors {
         let _ = writeln!(
             s,
-            "  {:<name_w$}  {:<7}  {:<22}  {:>12}  {:>5}  {:>12}",
+            "  {:<name_w$}  {:<8}  {:<22}  {:>12}  {:>5}  {:>12}",
             t.name,
             t.ggml_type.name(),
             shape(t),
@@ -75,13 +75,13 @@ fn to_text(gguf: &Gguf) -> String {
     }
 
     let _ = writeln!(s, "\ntotals by type:");
-    let _ = writeln!(s, "  {:<7}  {:>7}  {:>14}  {:>14}  {:>6}", "type", "tensors", "elements", "bytes", "bpw");
+    let _ = writeln!(s, "  {:<8}  {:>7}  {:>14}  {:>14}  {:>6}", "type", "tensors", "elements", "bytes", "bpw");
     let totals = totals(tensors);
     let (mut n, mut e, mut b) = (0usize, 0u64, 0u64);
     for (ty, t) in &totals {
         let _ = writeln!(
             s,
-            "  {:<7}  {:>7}  {:>14}  {:>14}  {:>6.2}",
+            "  {:<8}  {:>7}  {:>14}  {:>14}  {:>6.2}",
             ty.name(),
             t.count,
             t.elements,
@@ -92,7 +92,7 @@ fn to_text(gguf: &Gguf) -> String {
         e += t.elements;
         b += t.bytes;
     }
-    let _ = writeln!(s, "  {:<7}  {:>7}  {:>14}  {:>14}  {:>6.2}", "all", n, e, b, bits_per_weight(b, e));
+    let _ = writeln!(s, "  {:<8}  {:>7}  {:>14}  {:>14}  {:>6.2}", "all", n, e, b, bits_per_weight(b, e));
 
     let unsupported: Vec<_> = totals.keys().filter(|t| !t.is_supported()).collect();
     if unsupported.is_empty() {

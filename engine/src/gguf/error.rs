@@ -30,7 +30,11 @@ pub enum GgufError {
         "{}: version at offset 4: expected 2 or 3 little-endian, found {raw:#010x} (version {swapped} byte-swapped): the file is big-endian, only little-endian GGUF is supported",
         .path.display()
     )]
-    BigEndian { path: PathBuf, raw: u32, swapped: u32 },
+    BigEndian {
+        path: PathBuf,
+        raw: u32,
+        swapped: u32,
+    },
 
     /// A fixed-size field runs past the end of the file.
     #[error("{}: {field} at offset {offset}: expected {needed} bytes, found {available} left in the file", .path.display())]

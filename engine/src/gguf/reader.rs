@@ -420,7 +420,12 @@ impl<'a> Cursor<'a> {
         }
     }
 
-    fn value(&mut self, ty: ValueType, key: &str, depth: usize) -> Result<MetadataValue, GgufError> {
+    fn value(
+        &mut self,
+        ty: ValueType,
+        key: &str,
+        depth: usize,
+    ) -> Result<MetadataValue, GgufError> {
         let field = || format!("metadata {key:?} value");
         Ok(match ty {
             ValueType::U8 => MetadataValue::U8(self.array::<1>(field)?[0]),

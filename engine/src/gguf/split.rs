@@ -115,11 +115,7 @@ pub(crate) fn load_set(path: &Path) -> Result<Vec<ParsedFile>, GgufError> {
                 None => read_file(&p)?,
             }
         } else if !p.exists() {
-            return Err(GgufError::ShardMissing {
-                path: p,
-                no,
-                count,
-            });
+            return Err(GgufError::ShardMissing { path: p, no, count });
         } else {
             read_file(&p)?
         };

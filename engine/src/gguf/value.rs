@@ -252,7 +252,11 @@ impl Metadata {
 
     /// Sets `key`; an existing key keeps its position and gets the new value. Returns the old
     /// value, if any.
-    pub fn insert(&mut self, key: impl Into<String>, value: MetadataValue) -> Option<MetadataValue> {
+    pub fn insert(
+        &mut self,
+        key: impl Into<String>,
+        value: MetadataValue,
+    ) -> Option<MetadataValue> {
         let key = key.into();
         match self.index.get(&key) {
             Some(&i) => Some(std::mem::replace(&mut self.entries[i].1, value)),
@@ -530,7 +534,10 @@ mod tests {
             ("b", MetadataValue::U8(2)),
             ("c", MetadataValue::U8(3)),
         ]);
-        assert_eq!(m.insert("a", MetadataValue::U8(9)), Some(MetadataValue::U8(1)));
+        assert_eq!(
+            m.insert("a", MetadataValue::U8(9)),
+            Some(MetadataValue::U8(1))
+        );
         assert_eq!(m.remove("b"), Some(MetadataValue::U8(2)));
         assert_eq!(m.keys().collect::<Vec<_>>(), ["a", "c"]);
         assert_eq!(m.get("c"), Some(&MetadataValue::U8(3)));

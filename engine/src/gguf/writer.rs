@@ -285,11 +285,8 @@ fn write_file(
     let mut w = BufWriter::with_capacity(1 << 20, file);
     encode(&mut w, md, tensors, u64::from(alignment))
         .map_err(|e| GgufError::io(path, "writing", e))?;
-    let file = w
-        .into_inner()
+    w.into_inner()
         .map_err(|e| GgufError::io(path, "writing", e.into_error()))?;
-    file.sync_all()
-        .map_err(|e| GgufError::io(path, "syncing", e))?;
     Ok(())
 }
 

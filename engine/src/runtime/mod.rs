@@ -11,6 +11,7 @@ mod backend;
 mod cpu;
 mod error;
 mod kv_cache;
+pub mod sampling;
 mod session;
 
 pub use backend::{AttnParams, Backend, MatRef};

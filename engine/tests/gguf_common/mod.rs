@@ -52,9 +52,8 @@ impl Raw {
     }
     /// Zero padding up to a multiple of `a`.
     pub fn pad(mut self, a: usize) -> Self {
-        while self.bytes.len() % a != 0 {
-            self.bytes.push(0);
-        }
+        let n = self.bytes.len().next_multiple_of(a);
+        self.bytes.resize(n, 0);
         self
     }
     pub fn zeros(mut self, n: usize) -> Self {
@@ -83,9 +82,16 @@ pub fn sample_metadata() -> Vec<(&'static str, V)> {
         ("t.empty_str", V::String(String::new())),
         (
             "t.arr_str",
-            V::Array(vec![V::String("<s>".into()), V::String("".into()), V::String("▁a".into())]),
+            V::Array(vec![
+                V::String("<s>".into()),
+                V::String("".into()),
+                V::String("▁a".into()),
+            ]),
         ),
-        ("t.arr_f32", V::Array(vec![V::F32(0.0), V::F32(-2.25), V::F32(1e30)])),
+        (
+            "t.arr_f32",
+            V::Array(vec![V::F32(0.0), V::F32(-2.25), V::F32(1e30)]),
+        ),
         ("t.arr_i32", V::Array(vec![V::I32(-1), V::I32(7)])),
         ("t.arr_u8", V::Array(vec![V::U8(1), V::U8(2)])),
         ("t.arr_bool", V::Array(vec![V::Bool(true), V::Bool(false)])),

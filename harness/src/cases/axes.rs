@@ -19,7 +19,9 @@ pub enum Backend {
     CpuAvx512,
     /// `cuda-sm{sm}`, e.g. sm 90 for H100/H200. Any architecture number parses (sm103 exists);
     /// the matrix enumerates [`CUDA_ARCHS`].
-    Cuda { sm: u32 },
+    Cuda {
+        sm: u32,
+    },
 }
 
 impl Backend {
@@ -98,12 +100,18 @@ impl FromStr for Topology {
 pub enum Spec {
     Off,
     /// Tree speculation with a node budget and a per-node top-k: `tree-b{budget}k{top_k}`.
-    Tree { budget: u32, top_k: u32 },
+    Tree {
+        budget: u32,
+        top_k: u32,
+    },
 }
 
 impl Spec {
     /// The tree of DESIGN.md's production failure: budget 8, top-k 4.
-    pub const TREE_B8K4: Spec = Spec::Tree { budget: 8, top_k: 4 };
+    pub const TREE_B8K4: Spec = Spec::Tree {
+        budget: 8,
+        top_k: 4,
+    };
 }
 
 impl fmt::Display for Spec {
@@ -164,10 +172,26 @@ mod tests {
 
     #[test]
     fn backends_parse_and_print() {
-        for s in ["cpu-scalar", "cpu-avx2", "cpu-avx512", "cuda-sm80", "cuda-sm90", "cuda-sm120", "cuda-sm103"] {
+        for s in [
+            "cpu-scalar",
+            "cpu-avx2",
+            "cpu-avx512",
+            "cuda-sm80",
+            "cuda-sm90",
+            "cuda-sm120",
+            "cuda-sm103",
+        ] {
             assert_eq!(round_trip::<Backend>(s).as_deref(), Some(s));
         }
-        for s in ["cpu", "cuda-sm", "cuda-sm9x", "cuda-sm7", "cuda-sm+90", "CPU-AVX2", ""] {
+        for s in [
+            "cpu",
+            "cuda-sm",
+            "cuda-sm9x",
+            "cuda-sm7",
+            "cuda-sm+90",
+            "CPU-AVX2",
+            "",
+        ] {
             assert!(s.parse::<Backend>().is_err(), "{s}");
         }
     }
@@ -181,15 +205,24 @@ mod tests {
         for s in ["off", "tree-b8k4", "tree-b16k2"] {
             assert_eq!(round_trip::<Spec>(s).as_deref(), Some(s));
         }
-        for s in ["on", "tree", "tree-b8", "tree-bk4", "tree-b0k4", "tree-b8k", "tree-b8k4x"] {
+        for s in [
+            "on",
+            "tree",
+            "tree-b8",
+            "tree-bk4",
+            "tree-b0k4",
+            "tree-b8k",
+            "tree-b8k4x",
+        ] {
             assert!(s.parse::<Spec>().is_err(), "{s}");
         }
     }
 
     #[test]
     fn serde_uses_the_case_name_spelling() {
-        let json = serde_json::to_string(&(Backend::Cuda { sm: 90 }, Topology::Nvlink, Spec::TREE_B8K4))
-            .unwrap_or_default();
+        let json =
+            serde_json::to_string(&(Backend::Cuda { sm: 90 }, Topology::Nvlink, Spec::TREE_B8K4))
+                .unwrap_or_default();
         assert_eq!(json, r#"["cuda-sm90","nvlink","tree-b8k4"]"#);
         let back: Result<Backend, _> = serde_json::from_str(r#""cuda-smX""#);
         assert!(back.is_err());

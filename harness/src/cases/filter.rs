@@ -63,7 +63,11 @@ pub struct Filter {
 
 impl Filter {
     /// Build from the raw flag values; an `--only` that is not `AXIS=VALUE` is an error.
-    pub fn new(include: &[String], only: &[String], exclude: &[String]) -> Result<Filter, HarnessError> {
+    pub fn new(
+        include: &[String],
+        only: &[String],
+        exclude: &[String],
+    ) -> Result<Filter, HarnessError> {
         let mut f = Filter {
             include: include.to_vec(),
             exclude: exclude.to_vec(),
@@ -74,7 +78,10 @@ impl Filter {
                 .split_once('=')
                 .filter(|(_, v)| !v.is_empty())
                 .ok_or_else(|| HarnessError::OnlyFilter(o.clone()))?;
-            let axis: Axis = axis.trim().parse().map_err(|()| HarnessError::OnlyFilter(o.clone()))?;
+            let axis: Axis = axis
+                .trim()
+                .parse()
+                .map_err(|()| HarnessError::OnlyFilter(o.clone()))?;
             // `tp=tp2` and `tp=2` both mean TP 2.
             let value = value.trim();
             let value = match axis {
@@ -118,7 +125,10 @@ mod tests {
             Ok(f) => f,
             Err(e) => panic!("{e}"),
         };
-        f.apply(names.iter().map(|n| case(n)).collect()).iter().map(|c| c.name()).collect()
+        f.apply(names.iter().map(|n| case(n)).collect())
+            .iter()
+            .map(|c| c.name())
+            .collect()
     }
 
     const NAMES: [&str; 5] = [
@@ -144,11 +154,28 @@ mod tests {
 
     #[test]
     fn only_is_or_within_an_axis_and_across_axes() {
-        assert_eq!(selected(&[], &["backend=cpu-avx2", "backend=cpu-scalar"], &[], &NAMES), [NAMES[0], NAMES[2], NAMES[3]]);
-        assert_eq!(selected(&[], &["backend=cpu-avx2", "spec=off"], &[], &NAMES), [NAMES[0]]);
+        assert_eq!(
+            selected(
+                &[],
+                &["backend=cpu-avx2", "backend=cpu-scalar"],
+                &[],
+                &NAMES
+            ),
+            [NAMES[0], NAMES[2], NAMES[3]]
+        );
+        assert_eq!(
+            selected(&[], &["backend=cpu-avx2", "spec=off"], &[], &NAMES),
+            [NAMES[0]]
+        );
         assert_eq!(selected(&[], &["tp=2"], &[], &NAMES), [NAMES[1], NAMES[4]]);
-        assert_eq!(selected(&[], &["tp=tp2", "topology=shm"], &[], &NAMES), [NAMES[4]]);
-        assert_eq!(selected(&[], &["arch=llama", "weights=q8_0"], &[], &NAMES), [NAMES[3]]);
+        assert_eq!(
+            selected(&[], &["tp=tp2", "topology=shm"], &[], &NAMES),
+            [NAMES[4]]
+        );
+        assert_eq!(
+            selected(&[], &["arch=llama", "weights=q8_0"], &[], &NAMES),
+            [NAMES[3]]
+        );
     }
 
     #[test]

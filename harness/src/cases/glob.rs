@@ -60,8 +60,16 @@ mod tests {
 
     #[test]
     fn star_crosses_slashes_in_case_names() {
-        check("gemma3-270m/*", "gemma3-270m/q4_k_m/cpu-avx2/tp1-shm/off", true);
-        check("*/cuda-*/*", "gemma3-270m/q4_k_m/cuda-sm90/tp1-shm/off", true);
+        check(
+            "gemma3-270m/*",
+            "gemma3-270m/q4_k_m/cpu-avx2/tp1-shm/off",
+            true,
+        );
+        check(
+            "*/cuda-*/*",
+            "gemma3-270m/q4_k_m/cuda-sm90/tp1-shm/off",
+            true,
+        );
         check("*/tp?-*", "llama/q4_0/cpu-scalar/tp1-shm/off", true);
         check("*tree*", "llama/q4_0/cpu-scalar/tp1-shm/off", false);
     }
@@ -70,6 +78,35 @@ mod tests {
     fn backtracking_finds_the_later_match() {
         check("*ab", "aab", true);
         check("*aab", "aaab", true);
-        check("a*a*a*a*b", "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa", false);
+        check(
+            "a*a*a*a*b",
+            "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
+            false,
+        );
+    }
+}
+
+#[cfg(test)]
+mod props {
+    use super::glob_match;
+    use proptest::prelude::*;
+
+    /// The definition, written recursively: obviously right, exponential in the worst case.
+    fn reference(p: &[char], t: &[char]) -> bool {
+        match p.split_first() {
+            None => t.is_empty(),
+            Some(('*', rest)) => (0..=t.len()).any(|i| reference(rest, &t[i..])),
+            Some((&c, rest)) => t
+                .split_first()
+                .is_some_and(|(&d, tr)| (c == '?' || c == d) && reference(rest, tr)),
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn agrees_with_the_recursive_definition(p in "[ab*?/]{0,8}", t in "[ab/]{0,10}") {
+            let (pc, tc): (Vec<char>, Vec<char>) = (p.chars().collect(), t.chars().collect());
+            prop_assert_eq!(glob_match(&p, &t), reference(&pc, &tc));
+        }
     }
 }

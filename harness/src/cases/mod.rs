@@ -42,7 +42,14 @@ pub struct Case {
 }
 
 impl Case {
-    pub fn new(model: &str, weights: &str, backend: Backend, tp: u32, topology: Topology, spec: Spec) -> Case {
+    pub fn new(
+        model: &str,
+        weights: &str,
+        backend: Backend,
+        tp: u32,
+        topology: Topology,
+        spec: Spec,
+    ) -> Case {
         Case {
             model: model.to_owned(),
             weights: weights.to_owned(),
@@ -78,14 +85,24 @@ impl Case {
                 }
                 let n = machine.cuda_archs.iter().filter(|&&a| a == sm).count();
                 if n == 0 {
-                    let found: Vec<String> = machine.cuda_archs.iter().map(|a| format!("sm_{a}")).collect();
-                    return Some(format!("no CUDA device of architecture sm_{sm} (found {})", found.join(", ")));
+                    let found: Vec<String> = machine
+                        .cuda_archs
+                        .iter()
+                        .map(|a| format!("sm_{a}"))
+                        .collect();
+                    return Some(format!(
+                        "no CUDA device of architecture sm_{sm} (found {})",
+                        found.join(", ")
+                    ));
                 }
                 if !e.cuda {
                     return Some("engine built without the `cuda` feature".into());
                 }
                 if self.tp as usize > n {
-                    return Some(format!("TP {} needs {} CUDA devices of sm_{sm}, found {n}", self.tp, self.tp));
+                    return Some(format!(
+                        "TP {} needs {} CUDA devices of sm_{sm}, found {n}",
+                        self.tp, self.tp
+                    ));
                 }
             }
         }
@@ -94,9 +111,14 @@ impl Case {
                 return Some(format!("topology {} needs a CUDA backend", self.topology))
             }
             (_, _) if self.tp == 1 && self.topology != Topology::Shm => {
-                return Some(format!("TP 1 has no interconnect: name it tp1-shm, not tp1-{}", self.topology))
+                return Some(format!(
+                    "TP 1 has no interconnect: name it tp1-shm, not tp1-{}",
+                    self.topology
+                ))
             }
-            (Topology::Nvlink, true) if !machine.nvlink => return Some("no NVLink between the GPUs".into()),
+            (Topology::Nvlink, true) if !machine.nvlink => {
+                return Some("no NVLink between the GPUs".into())
+            }
             _ => {}
         }
         if self.tp > 1 && !e.tensor_parallel {
@@ -131,7 +153,10 @@ impl FromStr for Case {
         };
         let parts: Vec<&str> = name.split('/').collect();
         let [model, weights, backend, tp_topo, spec] = parts[..] else {
-            return Err(bad(&format!("expected 5 parts separated by '/', found {}", parts.len())));
+            return Err(bad(&format!(
+                "expected 5 parts separated by '/', found {}",
+                parts.len()
+            )));
         };
         if model.is_empty() || weights.is_empty() {
             return Err(bad("model and weights must not be empty"));
@@ -242,7 +267,8 @@ impl MachineCaps {
     /// Record which of `models` are missing (see [`Case::skip_reason`]).
     pub fn with_models(mut self, models: &[ModelEntry]) -> MachineCaps {
         for m in models.iter().filter(|m| !m.available) {
-            self.models_missing.insert(m.name.clone(), m.provide_command());
+            self.models_missing
+                .insert(m.name.clone(), m.provide_command());
         }
         self
     }
@@ -292,7 +318,14 @@ impl Matrix {
             let cpu = machine.best_cpu_backend();
             let cuda = machine.cuda_targets();
             for sm in CUDA_ARCHS {
-                cases.push(Case::new(&m.name, w0, Backend::Cuda { sm }, 1, Topology::Shm, Spec::Off));
+                cases.push(Case::new(
+                    &m.name,
+                    w0,
+                    Backend::Cuda { sm },
+                    1,
+                    Topology::Shm,
+                    Spec::Off,
+                ));
             }
             for tp in TP_DEGREES {
                 cases.push(Case::new(&m.name, w0, cpu, tp, Topology::Shm, Spec::Off));
@@ -300,14 +333,42 @@ impl Matrix {
             for &sm in &cuda {
                 for tp in TP_DEGREES {
                     for topo in [Topology::Pcie, Topology::Nvlink] {
-                        cases.push(Case::new(&m.name, w0, Backend::Cuda { sm }, tp, topo, Spec::Off));
+                        cases.push(Case::new(
+                            &m.name,
+                            w0,
+                            Backend::Cuda { sm },
+                            tp,
+                            topo,
+                            Spec::Off,
+                        ));
                     }
                 }
             }
-            cases.push(Case::new(&m.name, w0, cpu, 1, Topology::Shm, Spec::TREE_B8K4));
-            cases.push(Case::new(&m.name, w0, cpu, 2, Topology::Shm, Spec::TREE_B8K4));
+            cases.push(Case::new(
+                &m.name,
+                w0,
+                cpu,
+                1,
+                Topology::Shm,
+                Spec::TREE_B8K4,
+            ));
+            cases.push(Case::new(
+                &m.name,
+                w0,
+                cpu,
+                2,
+                Topology::Shm,
+                Spec::TREE_B8K4,
+            ));
             for &sm in &cuda {
-                cases.push(Case::new(&m.name, w0, Backend::Cuda { sm }, 1, Topology::Shm, Spec::TREE_B8K4));
+                cases.push(Case::new(
+                    &m.name,
+                    w0,
+                    Backend::Cuda { sm },
+                    1,
+                    Topology::Shm,
+                    Spec::TREE_B8K4,
+                ));
             }
         }
         cases
@@ -373,7 +434,8 @@ mod tests {
 
     #[test]
     fn case_serializes_with_axis_spellings() {
-        let json = serde_json::to_string(&case("llama/q8_0/cuda-sm86/tp4-nvlink/tree-b8k4")).unwrap_or_default();
+        let json = serde_json::to_string(&case("llama/q8_0/cuda-sm86/tp4-nvlink/tree-b8k4"))
+            .unwrap_or_default();
         assert_eq!(
             json,
             r#"{"model":"llama","weights":"q8_0","backend":"cuda-sm86","tp":4,"topology":"nvlink","spec":"tree-b8k4"}"#
@@ -390,11 +452,23 @@ mod tests {
         for (n, expect) in [
             ("llama/q4_0/cpu-scalar/tp1-shm/off", None),
             ("llama/q4_0/cpu-avx2/tp1-shm/off", None),
-            ("llama/q4_0/cpu-avx512/tp1-shm/off", Some("CPU lacks AVX-512")),
+            (
+                "llama/q4_0/cpu-avx512/tp1-shm/off",
+                Some("CPU lacks AVX-512"),
+            ),
             ("llama/q4_0/cuda-sm90/tp1-shm/off", Some("no CUDA device")),
-            ("llama/q4_0/cpu-avx2/tp2-shm/off", Some("tensor parallelism not implemented in the engine yet")),
-            ("llama/q4_0/cpu-avx2/tp1-shm/tree-b8k4", Some("speculative decoding not implemented yet")),
-            ("llama/q4_0/cpu-avx2/tp2-pcie/off", Some("topology pcie needs a CUDA backend")),
+            (
+                "llama/q4_0/cpu-avx2/tp2-shm/off",
+                Some("tensor parallelism not implemented in the engine yet"),
+            ),
+            (
+                "llama/q4_0/cpu-avx2/tp1-shm/tree-b8k4",
+                Some("speculative decoding not implemented yet"),
+            ),
+            (
+                "llama/q4_0/cpu-avx2/tp2-pcie/off",
+                Some("topology pcie needs a CUDA backend"),
+            ),
             (
                 "gemma3-270m/q4_k_m/cpu-avx2/tp1-shm/off",
                 Some("model not fetched: run cargo xtask fetch-model gemma3-270m"),
@@ -418,9 +492,18 @@ mod tests {
         for (n, expect) in [
             ("llama/q4_0/cuda-sm90/tp1-shm/off", None),
             ("llama/q4_0/cuda-sm90/tp1-shm/tree-b8k4", None),
-            ("llama/q4_0/cuda-sm80/tp1-shm/off", Some("no CUDA device of architecture sm_80 (found sm_90)")),
-            ("llama/q4_0/cuda-sm90/tp2-pcie/off", Some("TP 2 needs 2 CUDA devices of sm_90, found 1")),
-            ("llama/q4_0/cuda-sm90/tp1-pcie/off", Some("TP 1 has no interconnect: name it tp1-shm, not tp1-pcie")),
+            (
+                "llama/q4_0/cuda-sm80/tp1-shm/off",
+                Some("no CUDA device of architecture sm_80 (found sm_90)"),
+            ),
+            (
+                "llama/q4_0/cuda-sm90/tp2-pcie/off",
+                Some("TP 2 needs 2 CUDA devices of sm_90, found 1"),
+            ),
+            (
+                "llama/q4_0/cuda-sm90/tp1-pcie/off",
+                Some("TP 1 has no interconnect: name it tp1-shm, not tp1-pcie"),
+            ),
         ] {
             assert_eq!(reason(n, &m).as_deref(), expect, "{n}");
         }
@@ -429,7 +512,10 @@ mod tests {
             ..m.clone()
         };
         assert_eq!(reason("llama/q4_0/cuda-sm90/tp2-pcie/off", &two), None);
-        assert_eq!(reason("llama/q4_0/cuda-sm90/tp2-nvlink/off", &two).as_deref(), Some("no NVLink between the GPUs"));
+        assert_eq!(
+            reason("llama/q4_0/cuda-sm90/tp2-nvlink/off", &two).as_deref(),
+            Some("no NVLink between the GPUs")
+        );
         let no_feature = MachineCaps {
             engine: EngineCaps::default(),
             ..m
@@ -477,6 +563,8 @@ mod tests {
             .collect();
         // llama 3 weights + gemma3 2 weights, on scalar and avx2.
         assert_eq!(runnable.len(), 10);
-        assert!(runnable.iter().all(|n| n.contains("/tp1-shm/off") && !n.contains("avx512")));
+        assert!(runnable
+            .iter()
+            .all(|n| n.contains("/tp1-shm/off") && !n.contains("avx512")));
     }
 }

@@ -180,7 +180,10 @@ pub fn detect_degeneracy(
             "token_collapse",
             count as f64 / n as f64,
             p.max_top_token_share,
-            format!("id {top} is {count} of {n} tokens; {} distinct ids", counts.len()),
+            format!(
+                "id {top} is {count} of {n} tokens; {} distinct ids",
+                counts.len()
+            ),
         )
     };
 
@@ -216,8 +219,11 @@ pub fn detect_degeneracy(
         .filter(|(_, row)| {
             let m = row.iter().map(|&x| x as f64).sum::<f64>() / n_vocab as f64;
             let var = row.iter().map(|&x| (x as f64 - m).powi(2)).sum::<f64>() / n_vocab as f64;
-            let scale = (row.iter().map(|&x| (x as f64).abs()).sum::<f64>() / n_vocab as f64).max(1.0);
-            n_vocab > 1 && row.iter().all(|x| x.is_finite()) && var.sqrt() <= p.constant_rel_std * scale
+            let scale =
+                (row.iter().map(|&x| (x as f64).abs()).sum::<f64>() / n_vocab as f64).max(1.0);
+            n_vocab > 1
+                && row.iter().all(|x| x.is_finite())
+                && var.sqrt() <= p.constant_rel_std * scale
         })
         .map(|(r, _)| r)
         .collect();
@@ -226,16 +232,28 @@ pub fn detect_degeneracy(
         constant.len() as f64,
         0.0,
         match constant.first() {
-            Some(r) => format!("{} of {} rows constant, first row {r}", constant.len(), rows.len()),
+            Some(r) => format!(
+                "{} of {} rows constant, first row {r}",
+                constant.len(),
+                rows.len()
+            ),
             None if rows.is_empty() => no_logits.clone(),
             None => format!("{} rows vary", rows.len()),
         },
     );
 
     // Entropy over the finite rows.
-    let finite_rows: Vec<&&[f32]> = rows.iter().filter(|r| r.iter().all(|x| x.is_finite())).collect();
+    let finite_rows: Vec<&&[f32]> = rows
+        .iter()
+        .filter(|r| r.iter().all(|x| x.is_finite()))
+        .collect();
     let entropy_gate = if finite_rows.is_empty() {
-        GateResult::at_least("entropy_collapse", f64::INFINITY, p.min_mean_entropy, no_logits)
+        GateResult::at_least(
+            "entropy_collapse",
+            f64::INFINITY,
+            p.min_mean_entropy,
+            no_logits,
+        )
     } else {
         let mean = finite_rows.iter().map(|r| entropy(r)).sum::<f64>() / finite_rows.len() as f64;
         GateResult::at_least(
@@ -251,7 +269,13 @@ pub fn detect_degeneracy(
         )
     };
 
-    Ok(vec![loop_gate, collapse_gate, entropy_gate, nonfinite_gate, constant_gate])
+    Ok(vec![
+        loop_gate,
+        collapse_gate,
+        entropy_gate,
+        nonfinite_gate,
+        constant_gate,
+    ])
 }
 
 #[cfg(test)]
@@ -266,12 +290,18 @@ mod tests {
     }
 
     fn failed(tokens: &[u32], logits: &[f32], n_vocab: usize) -> Vec<&'static str> {
-        gates(tokens, logits, n_vocab).into_iter().filter(|g| !g.passed).map(|g| g.gate).collect()
+        gates(tokens, logits, n_vocab)
+            .into_iter()
+            .filter(|g| !g.passed)
+            .map(|g| g.gate)
+            .collect()
     }
 
     /// Logit rows with a moderate spread: entropy well above the floor.
     fn healthy_logits(rows: usize, n_vocab: usize) -> Vec<f32> {
-        (0..rows * n_vocab).map(|i| ((i * 7919) % 13) as f32 * 0.3).collect()
+        (0..rows * n_vocab)
+            .map(|i| ((i * 7919) % 13) as f32 * 0.3)
+            .collect()
     }
 
     /// A varied prefix of 8 ids followed by `cycle` repeated to `len` tokens.
@@ -296,7 +326,10 @@ mod tests {
     fn a_repeated_sentence_is_not_degenerate() {
         // A 9-token phrase looped for the whole tail: what a 270M base model does under greedy.
         let tokens = looped(&[11, 12, 13, 14, 15, 16, 17, 18, 19], 64);
-        assert_eq!(failed(&tokens, &healthy_logits(64, 32), 32), Vec::<&str>::new());
+        assert_eq!(
+            failed(&tokens, &healthy_logits(64, 32), 32),
+            Vec::<&str>::new()
+        );
         let g = gates(&tokens, &[], 32);
         assert!(g[0].detail.contains("period 9"), "{}", g[0].detail);
     }
@@ -309,7 +342,10 @@ mod tests {
             assert!(f.contains(&"repetition_loop"), "{cycle:?}: {f:?}");
         }
         // A 4-token cycle has its top id at 25%: only the loop check fires.
-        assert_eq!(failed(&looped(&[7, 8, 9, 10], 96), &[], 32), ["repetition_loop"]);
+        assert_eq!(
+            failed(&looped(&[7, 8, 9, 10], 96), &[], 32),
+            ["repetition_loop"]
+        );
     }
 
     #[test]
@@ -317,7 +353,11 @@ mod tests {
         let mut tokens: Vec<u32> = (0..32).collect();
         tokens.extend([5, 6].iter().cycle().take(32));
         let g = gates(&tokens, &[], 8);
-        assert!(g[0].passed && (g[0].value - 0.5).abs() < 1e-12, "{:?}", g[0]);
+        assert!(
+            g[0].passed && (g[0].value - 0.5).abs() < 1e-12,
+            "{:?}",
+            g[0]
+        );
     }
 
     #[test]
@@ -341,7 +381,9 @@ mod tests {
         logits[8..16].fill(3.25);
         assert_eq!(failed(&tokens, &logits, 8), ["constant_logits"]);
         // One-hot at every row: logit gap of 100 nats.
-        let onehot: Vec<f32> = (0..32).map(|i| if i % 8 == 0 { 100.0 } else { 0.0 }).collect();
+        let onehot: Vec<f32> = (0..32)
+            .map(|i| if i % 8 == 0 { 100.0 } else { 0.0 })
+            .collect();
         assert_eq!(failed(&tokens, &onehot, 8), ["entropy_collapse"]);
     }
 
@@ -355,5 +397,29 @@ mod tests {
     fn rejects_ragged_logits() {
         assert!(detect_degeneracy(&[], &[0.0; 5], 2, &DegeneracyParams::default()).is_err());
         assert!(detect_degeneracy(&[], &[], 0, &DegeneracyParams::default()).is_err());
+    }
+}
+
+#[cfg(test)]
+mod props {
+    use super::{best_cycle, periodic_suffix};
+    use proptest::prelude::*;
+
+    proptest! {
+        #[test]
+        fn a_repeated_cycle_is_found(
+            prefix in proptest::collection::vec(1000u32..2000, 0..10),
+            cycle in proptest::collection::vec(0u32..50, 1..6),
+            repeats in 2usize..8,
+        ) {
+            let mut t = prefix;
+            for _ in 0..repeats {
+                t.extend(&cycle);
+            }
+            // Prefix ids never occur in the cycle, so the loop is exactly the repeated part.
+            prop_assert_eq!(periodic_suffix(&t, cycle.len()), cycle.len() * repeats);
+            let best = best_cycle(&t, 8);
+            prop_assert!(best.is_some_and(|(p, len)| p <= cycle.len() && len == cycle.len() * repeats));
+        }
     }
 }

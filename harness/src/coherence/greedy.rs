@@ -27,7 +27,12 @@ pub fn greedy_prefix(engine: &[u32], golden: &[u32], n: usize) -> GateResult {
             engine[matched], golden[matched]
         )
     };
-    GateResult::at_least("greedy_prefix", matched.min(required) as f64, required as f64, detail)
+    GateResult::at_least(
+        "greedy_prefix",
+        matched.min(required) as f64,
+        required as f64,
+        detail,
+    )
 }
 
 #[cfg(test)]
@@ -36,24 +41,62 @@ mod tests {
 
     fn check(engine: &[u32], golden: &[u32], n: usize, passed: bool, value: f64, detail: &str) {
         let g = greedy_prefix(engine, golden, n);
-        assert_eq!((g.passed, g.value, g.detail.as_str()), (passed, value, detail));
+        assert_eq!(
+            (g.passed, g.value, g.detail.as_str()),
+            (passed, value, detail)
+        );
     }
 
     #[test]
     fn equal_prefix_passes() {
-        check(&[1, 2, 3, 9], &[1, 2, 3, 4], 3, true, 3.0, "first 3 tokens match");
+        check(
+            &[1, 2, 3, 9],
+            &[1, 2, 3, 4],
+            3,
+            true,
+            3.0,
+            "first 3 tokens match",
+        );
         check(&[1, 2], &[1, 2], 16, true, 2.0, "first 2 tokens match");
     }
 
     #[test]
     fn reports_the_first_mismatch() {
-        check(&[1, 5, 3], &[1, 2, 3], 3, false, 1.0, "first mismatch at position 1: engine id 5, golden id 2");
-        check(&[7], &[1], 1, false, 0.0, "first mismatch at position 0: engine id 7, golden id 1");
+        check(
+            &[1, 5, 3],
+            &[1, 2, 3],
+            3,
+            false,
+            1.0,
+            "first mismatch at position 1: engine id 5, golden id 2",
+        );
+        check(
+            &[7],
+            &[1],
+            1,
+            false,
+            0.0,
+            "first mismatch at position 0: engine id 7, golden id 1",
+        );
     }
 
     #[test]
     fn a_short_engine_output_fails() {
-        check(&[1, 2], &[1, 2, 3], 3, false, 2.0, "engine stopped after 2 tokens; golden continues with id 3");
-        check(&[], &[4], 1, false, 0.0, "engine stopped after 0 tokens; golden continues with id 4");
+        check(
+            &[1, 2],
+            &[1, 2, 3],
+            3,
+            false,
+            2.0,
+            "engine stopped after 2 tokens; golden continues with id 3",
+        );
+        check(
+            &[],
+            &[4],
+            1,
+            false,
+            0.0,
+            "engine stopped after 0 tokens; golden continues with id 4",
+        );
     }
 }

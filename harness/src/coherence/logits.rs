@@ -269,8 +269,14 @@ mod tests {
     fn identical_logits_agree_perfectly() {
         let r = [1.0, 2.0, 3.0, 0.5, 0.5, 4.0];
         let s = stats(&r, &r, 3, &[2, 0]);
-        assert_eq!((s.kld_mean, s.kld_max, s.same_top1_rate, s.ppl_ratio), (0.0, 0.0, 1.0, 1.0));
-        assert!(s.gates(&LogitThresholds::for_weights(WeightClass::F32)).iter().all(|g| g.passed));
+        assert_eq!(
+            (s.kld_mean, s.kld_max, s.same_top1_rate, s.ppl_ratio),
+            (0.0, 0.0, 1.0, 1.0)
+        );
+        assert!(s
+            .gates(&LogitThresholds::for_weights(WeightClass::F32))
+            .iter()
+            .all(|g| g.passed));
     }
 
     #[test]
@@ -278,7 +284,11 @@ mod tests {
         // Reference: uniform over 2 tokens. Engine: logits (ln 3, 0) → q = (3/4, 1/4).
         // KL(p‖q) = ½ ln(½ / ¾) + ½ ln(½ / ¼) = ½ ln(4/3) = 0.143841.
         let s = stats(&[0.0, 0.0], &[3f32.ln(), 0.0], 2, &[1]);
-        assert!((s.kld_mean - 0.5 * (4.0f64 / 3.0).ln()).abs() < 1e-7, "{}", s.kld_mean);
+        assert!(
+            (s.kld_mean - 0.5 * (4.0f64 / 3.0).ln()).abs() < 1e-7,
+            "{}",
+            s.kld_mean
+        );
         // Target 1: p = ½ → ppl 2; q = ¼ → ppl 4.
         assert!((s.ppl_reference - 2.0).abs() < 1e-9);
         assert!((s.ppl_engine - 4.0).abs() < 1e-6);
@@ -329,6 +339,9 @@ mod tests {
     fn nan_logits_fail_every_gate() {
         let s = stats(&[0.0, 1.0], &[f32::NAN, 1.0], 2, &[0]);
         let gates = s.gates(&LogitThresholds::for_weights(WeightClass::F32));
-        assert!(gates.iter().filter(|g| g.gate != "same_top1").all(|g| !g.passed));
+        assert!(gates
+            .iter()
+            .filter(|g| g.gate != "same_top1")
+            .all(|g| !g.passed));
     }
 }

@@ -42,7 +42,11 @@ pub fn console_table(report: &Report) -> String {
             [
                 c.case.clone(),
                 c.verdict.label().to_owned(),
-                if headline.is_empty() { "-".into() } else { truncate(&headline, MAX_FINDING) },
+                if headline.is_empty() {
+                    "-".into()
+                } else {
+                    truncate(&headline, MAX_FINDING)
+                },
                 figures_text(c),
             ]
         })

@@ -60,7 +60,11 @@ pub fn junit_xml(report: &Report) -> String {
                 let _ = writeln!(x, "/>");
             }
             Verdict::Skipped { reason } => {
-                let _ = writeln!(x, ">\n      <skipped message=\"{}\"/>\n    </testcase>", xml_escape(reason));
+                let _ = writeln!(
+                    x,
+                    ">\n      <skipped message=\"{}\"/>\n    </testcase>",
+                    xml_escape(reason)
+                );
             }
             Verdict::Error { message } => {
                 let _ = writeln!(
@@ -72,7 +76,10 @@ pub fn junit_xml(report: &Report) -> String {
             Verdict::Failed { finding } => {
                 let mut body = Vec::new();
                 if let Some(d) = &c.first_divergence {
-                    body.push(format!("first divergence (forward position {}): {}", d.position, d.finding));
+                    body.push(format!(
+                        "first divergence (forward position {}): {}",
+                        d.position, d.finding
+                    ));
                 }
                 body.extend(c.gates.iter().filter(|g| !g.passed).map(|g| g.to_string()));
                 let _ = writeln!(

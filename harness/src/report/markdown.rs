@@ -5,7 +5,7 @@ use std::fmt::Write;
 
 use super::console::figures_text;
 use super::{plot_path, Report, Verdict};
-use crate::float::fmt_sig;
+use crate::float::{fmt_cosine, fmt_sig};
 
 /// A table cell: no line breaks, pipes escaped.
 fn cell(s: &str) -> String {
@@ -17,7 +17,10 @@ pub fn markdown(report: &Report) -> String {
     // `write!` into a String cannot fail.
     let _ = writeln!(m, "# plumbline verify report\n");
     let _ = writeln!(m, "{}\n", report.summary());
-    let _ = writeln!(m, "| case | verdict | first divergence / gate | key figures |");
+    let _ = writeln!(
+        m,
+        "| case | verdict | first divergence / gate | key figures |"
+    );
     let _ = writeln!(m, "|---|---|---|---|");
     for c in &report.cases {
         let _ = writeln!(
@@ -45,14 +48,17 @@ pub fn markdown(report: &Report) -> String {
         if let Some(d) = &c.first_divergence {
             let _ = writeln!(
                 m,
-                "\nFirst divergence: `{}` (position {} in forward order): {}",
-                d.finding.tap(),
-                d.position,
-                d.finding
+                "\nFirst divergence, at position {} in forward order: {}",
+                d.position, d.finding
             );
         }
         if !c.layer_series.is_empty() {
-            let _ = writeln!(m, "\n![NMSE by layer for {}]({})", c.case, plot_path(&c.case));
+            let _ = writeln!(
+                m,
+                "\n![NMSE by layer for {}]({})",
+                c.case,
+                plot_path(&c.case)
+            );
         }
         if !c.gates.is_empty() {
             let _ = writeln!(m, "\n| gate | result | value | threshold | detail |");
@@ -80,7 +86,7 @@ pub fn markdown(report: &Report) -> String {
                     r.kind,
                     fmt_sig(r.first.nmse_max),
                     fmt_sig(r.last.nmse_max),
-                    fmt_sig(r.last.cosine_min)
+                    fmt_cosine(r.last.cosine_min)
                 );
             }
             let _ = writeln!(m, "\n</details>");

@@ -93,11 +93,21 @@ impl CaseResult {
     }
 
     pub fn skipped(case: &str, reason: &str) -> CaseResult {
-        CaseResult::bare(case, Verdict::Skipped { reason: reason.to_owned() })
+        CaseResult::bare(
+            case,
+            Verdict::Skipped {
+                reason: reason.to_owned(),
+            },
+        )
     }
 
     pub fn error(case: &str, message: &str) -> CaseResult {
-        CaseResult::bare(case, Verdict::Error { message: message.to_owned() })
+        CaseResult::bare(
+            case,
+            Verdict::Error {
+                message: message.to_owned(),
+            },
+        )
     }
 
     /// A judged case: the tap comparison (when taps were compared) decides first; its first
@@ -159,7 +169,11 @@ pub struct Summary {
 
 impl std::fmt::Display for Summary {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{} passed, {} failed, {} skipped", self.passed, self.failed, self.skipped)
+        write!(
+            f,
+            "{} passed, {} failed, {} skipped",
+            self.passed, self.failed, self.skipped
+        )
     }
 }
 
@@ -262,7 +276,13 @@ pub fn plot_path(case: &str) -> String {
         .map(|p| {
             let s: String = p
                 .chars()
-                .map(|c| if c.is_ascii_alphanumeric() || "._-".contains(c) { c } else { '_' })
+                .map(|c| {
+                    if c.is_ascii_alphanumeric() || "._-".contains(c) {
+                        c
+                    } else {
+                        '_'
+                    }
+                })
                 .collect();
             if s.is_empty() || s.chars().all(|c| c == '.') {
                 "_".repeat(s.len().max(1))

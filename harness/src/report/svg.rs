@@ -44,9 +44,14 @@ pub fn layer_plot_svg(title: &str, series: &[LayerSeries]) -> String {
         .flat_map(|(s, _)| s.points.iter().map(|p| p.nmse))
         .chain(tol.iter().flat_map(|s| s.points.iter().map(|p| p.nmse_max)))
         .filter(|v| v.is_finite() && *v > 0.0);
-    let (lo, hi) = values.fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), v| (lo.min(v), hi.max(v)));
+    let (lo, hi) = values.fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), v| {
+        (lo.min(v), hi.max(v))
+    });
     let (mut d_lo, mut d_hi) = if lo.is_finite() {
-        (lo.max(FLOOR).log10().floor() as i32, hi.log10().ceil() as i32)
+        (
+            lo.max(FLOOR).log10().floor() as i32,
+            hi.log10().ceil() as i32,
+        )
     } else {
         (-8, 0)
     };
@@ -130,20 +135,38 @@ pub fn layer_plot_svg(title: &str, series: &[LayerSeries]) -> String {
     );
     let polyline = |s: &mut String, pts: Vec<(f64, f64)>, style: &str| {
         let coords: Vec<String> = pts.iter().map(|(a, b)| format!("{a:.1},{b:.1}")).collect();
-        let _ = writeln!(s, r#"<polyline fill="none" {style} points="{}"/>"#, coords.join(" "));
+        let _ = writeln!(
+            s,
+            r#"<polyline fill="none" {style} points="{}"/>"#,
+            coords.join(" ")
+        );
     };
     if let Some(t) = tol {
         polyline(
             &mut s,
-            t.points.iter().map(|p| (x(p.layer), y(p.nmse_max))).collect(),
+            t.points
+                .iter()
+                .map(|p| (x(p.layer), y(p.nmse_max)))
+                .collect(),
             r##"stroke="#CC0000" stroke-width="1.5" stroke-dasharray="6 4""##,
         );
     }
     for (series, colour) in &plotted {
-        let pts: Vec<(f64, f64)> = series.points.iter().map(|p| (x(p.layer), y(p.nmse))).collect();
-        polyline(&mut s, pts.clone(), &format!(r#"stroke="{colour}" stroke-width="1.5""#));
+        let pts: Vec<(f64, f64)> = series
+            .points
+            .iter()
+            .map(|p| (x(p.layer), y(p.nmse)))
+            .collect();
+        polyline(
+            &mut s,
+            pts.clone(),
+            &format!(r#"stroke="{colour}" stroke-width="1.5""#),
+        );
         for (a, b) in pts {
-            let _ = writeln!(s, r#"<circle cx="{a:.1}" cy="{b:.1}" r="2" fill="{colour}"/>"#);
+            let _ = writeln!(
+                s,
+                r#"<circle cx="{a:.1}" cy="{b:.1}" r="2" fill="{colour}"/>"#
+            );
         }
     }
     // Legend.

@@ -17,7 +17,10 @@ fn passes(delta: impl Fn(&str) -> f32) -> (Vec<Tap>, Vec<Tap>) {
         }
     }
     names.push("logits".into());
-    let reference: Vec<Tap> = names.iter().map(|n| Tap::new(n.clone(), vec![2, 4], vec![1.0; 8])).collect();
+    let reference: Vec<Tap> = names
+        .iter()
+        .map(|n| Tap::new(n.clone(), vec![2, 4], vec![1.0; 8]))
+        .collect();
     let engine = reference
         .iter()
         .map(|t| {
@@ -70,7 +73,8 @@ pub(crate) fn synthetic_report() -> Report {
     // 2. Fails at blk.1.attn_out (and everything after it), f32 tolerance.
     let c2 = ctx("f32", "cpu-scalar");
     let (e, re) = passes(|n| {
-        let after = ["blk.1.attn_out", "blk.1.ffn_out", "blk.1.out", "logits"].contains(&n) || n.starts_with("blk.2.");
+        let after = ["blk.1.attn_out", "blk.1.ffn_out", "blk.1.out", "logits"].contains(&n)
+            || n.starts_with("blk.2.");
         if after {
             0.5
         } else {
@@ -79,8 +83,13 @@ pub(crate) fn synthetic_report() -> Report {
     });
     let cmp = compare_taps(&e, &re, &policy, &c2);
     r.push(
-        CaseResult::judged("llama/f32/cpu-scalar/tp1-shm/off", Some(&cmp), vec![], vec![])
-            .with_duration(1.0),
+        CaseResult::judged(
+            "llama/f32/cpu-scalar/tp1-shm/off",
+            Some(&cmp),
+            vec![],
+            vec![],
+        )
+        .with_duration(1.0),
     );
 
     // 3. Taps fine but a gate fails.
@@ -88,14 +97,27 @@ pub(crate) fn synthetic_report() -> Report {
         "llama/q8_0/cpu-avx2/tp1-shm/off",
         None,
         vec![
-            GateResult::at_most("kld_mean", 0.0213, 5e-3, "over 511 positions; max 1.7 at position 88".into()),
-            GateResult::at_least("same_top1", 0.91, 0.95, "first differing top-1 at position 3".into()),
+            GateResult::at_most(
+                "kld_mean",
+                0.0213,
+                5e-3,
+                "over 511 positions; max 1.7 at position 88".into(),
+            ),
+            GateResult::at_least(
+                "same_top1",
+                0.91,
+                0.95,
+                "first differing top-1 at position 3".into(),
+            ),
         ],
         vec![Figure::new("kld_mean", 0.0213, "")],
     ));
 
     // 4. Skipped; 5. error with characters that need escaping.
-    r.push(CaseResult::skipped("gemma3-270m/q4_k_m/cuda-sm90/tp1-shm/off", "no CUDA device"));
+    r.push(CaseResult::skipped(
+        "gemma3-270m/q4_k_m/cuda-sm90/tp1-shm/off",
+        "no CUDA device",
+    ));
     r.push(CaseResult::error(
         "deepseek2/q4_k/cpu-avx2/tp1-shm/off",
         "reading fixture <deepseek2-q4_k.gguf>: tensor \"blk.0.ffn_gate_exps\" | offset 12 & beyond end",
@@ -110,11 +132,19 @@ fn verdicts_and_summary() {
     assert_eq!(labels, ["PASS", "FAIL", "FAIL", "SKIP", "ERROR"]);
     assert_eq!(r.summary().to_string(), "1 passed, 3 failed, 1 skipped");
     assert!(r.has_failures());
-    let d = r.cases[1].first_divergence.as_ref().map(|d| d.finding.tap().to_owned());
+    let d = r.cases[1]
+        .first_divergence
+        .as_ref()
+        .map(|d| d.finding.tap().to_owned());
     assert_eq!(d.as_deref(), Some("blk.1.attn_out"));
     // NMSE of blk.1.attn_out is 0.5²/8.
-    assert!(r.cases[1].layer_series.iter().any(|s| s.kind == crate::tap::TapKind::AttnOut
-        && s.points.iter().any(|p| p.layer == 1 && (p.nmse - 0.03125).abs() < 1e-12)));
+    assert!(r.cases[1]
+        .layer_series
+        .iter()
+        .any(|s| s.kind == crate::tap::TapKind::AttnOut
+            && s.points
+                .iter()
+                .any(|p| p.layer == 1 && (p.nmse - 0.03125).abs() < 1e-12)));
 }
 
 #[test]
@@ -155,7 +185,11 @@ fn svg_handles_zero_infinite_and_single_layer() {
     use crate::compare::{LayerPoint, LayerSeries};
     let series = vec![LayerSeries {
         kind: crate::tap::TapKind::Out,
-        points: vec![LayerPoint { layer: 0, nmse: 0.0, nmse_max: f64::INFINITY }],
+        points: vec![LayerPoint {
+            layer: 0,
+            nmse: 0.0,
+            nmse_max: f64::INFINITY,
+        }],
     }];
     let svg = layer_plot_svg("t", &series);
     assert!(!svg.contains("NaN") && !svg.contains("inf"), "{svg}");
@@ -166,7 +200,9 @@ fn svg_handles_zero_infinite_and_single_layer() {
 #[test]
 fn json_has_summary_tagged_verdicts_and_encodes_infinity() {
     let mut r = synthetic_report();
-    r.cases[0].figures.push(Figure::new("nmse_zero_ref", f64::INFINITY, ""));
+    r.cases[0]
+        .figures
+        .push(Figure::new("nmse_zero_ref", f64::INFINITY, ""));
     let json = match r.to_json() {
         Ok(j) => j,
         Err(e) => panic!("{e}"),
@@ -175,13 +211,28 @@ fn json_has_summary_tagged_verdicts_and_encodes_infinity() {
         Ok(v) => v,
         Err(e) => panic!("{e}"),
     };
-    assert_eq!(v["summary"], serde_json::json!({"passed": 1, "failed": 3, "skipped": 1}));
-    assert_eq!(v["cases"][3]["verdict"], serde_json::json!({"status": "skipped", "reason": "no CUDA device"}));
-    assert_eq!(v["cases"][1]["first_divergence"]["finding"]["kind"], "past_tolerance");
-    assert_eq!(v["cases"][1]["first_divergence"]["finding"]["tap"], "blk.1.attn_out");
+    assert_eq!(
+        v["summary"],
+        serde_json::json!({"passed": 1, "failed": 3, "skipped": 1})
+    );
+    assert_eq!(
+        v["cases"][3]["verdict"],
+        serde_json::json!({"status": "skipped", "reason": "no CUDA device"})
+    );
+    assert_eq!(
+        v["cases"][1]["first_divergence"]["finding"]["kind"],
+        "past_tolerance"
+    );
+    assert_eq!(
+        v["cases"][1]["first_divergence"]["finding"]["tap"],
+        "blk.1.attn_out"
+    );
     assert_eq!(v["cases"][0]["figures"][3]["value"], "inf");
     assert_eq!(v["cases"][0]["gates"][0]["gate"], "greedy_prefix");
-    assert_eq!(v["cases"][0]["tolerances"].as_array().map(Vec::len), Some(13));
+    assert_eq!(
+        v["cases"][0]["tolerances"].as_array().map(Vec::len),
+        Some(13)
+    );
 }
 
 #[test]
@@ -197,14 +248,21 @@ fn write_all_writes_every_file() {
     assert_eq!(w.plots.len(), 2);
     assert!(w.plots[0].ends_with("plots/gemma3-270m/q4_k_m/cpu-avx2/tp1-shm/off.svg"));
     for p in [&w.json, &w.junit, &w.markdown].into_iter().chain(&w.plots) {
-        assert!(std::fs::metadata(p).is_ok_and(|m| m.len() > 0), "{}", p.display());
+        assert!(
+            std::fs::metadata(p).is_ok_and(|m| m.len() > 0),
+            "{}",
+            p.display()
+        );
     }
 }
 
 #[test]
 fn plot_paths_stay_inside_plots() {
     for (case, path) in [
-        ("llama/q4_0/cpu-scalar/tp1-shm/off", "plots/llama/q4_0/cpu-scalar/tp1-shm/off.svg"),
+        (
+            "llama/q4_0/cpu-scalar/tp1-shm/off",
+            "plots/llama/q4_0/cpu-scalar/tp1-shm/off.svg",
+        ),
         ("../../etc/passwd", "plots/__/__/etc/passwd.svg"),
         ("a b/c:d", "plots/a_b/c_d.svg"),
         ("x//y", "plots/x/_/y.svg"),

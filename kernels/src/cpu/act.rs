@@ -93,9 +93,9 @@ impl QuantizedActivations {
         n_tokens: usize,
         k_dim: usize,
     ) -> Result<(), KernelError> {
-        let n = n_tokens
-            .checked_mul(k_dim)
-            .ok_or(KernelError::Overflow { what: "n_tokens * k_dim" })?;
+        let n = n_tokens.checked_mul(k_dim).ok_or(KernelError::Overflow {
+            what: "n_tokens * k_dim",
+        })?;
         if x.len() != n {
             return Err(KernelError::InputLen {
                 n_tokens,
@@ -105,7 +105,7 @@ impl QuantizedActivations {
             });
         }
         let bs = act_ty.block_size();
-        if k_dim % bs != 0 {
+        if !k_dim.is_multiple_of(bs) {
             return Err(KernelError::KDimNotBlockMultiple {
                 ty: act_ty,
                 k_dim,

@@ -243,7 +243,8 @@ fn dot_bf16(w: &[u8], y: &[bf16]) -> f32 {
 // 32-element blocks against Q8_0
 
 /// Shared loop of the Q8_0-activation kernels: `TS` bytes per weight block; `unpack` turns a
-/// weight block into 32 signed bytes and its f32 scale.
+/// weight block into 32 signed bytes and its f32 scale. Two accumulators, so that consecutive
+/// blocks do not wait on each other's FMA.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 fn dot_blocks_q8_0<const TS: usize>(
@@ -251,14 +252,24 @@ fn dot_blocks_q8_0<const TS: usize>(
     y: &[BlockQ8_0],
     unpack: impl Fn(&[u8]) -> (__m256i, f32),
 ) -> f32 {
-    let mut acc = _mm256_setzero_ps();
-    for (xb, yb) in w.chunks_exact(TS).zip(y) {
+    let block = |xb: &[u8], yb: &BlockQ8_0, acc: __m256| {
         let (qx, dx) = unpack(xb);
         let d = _mm256_set1_ps(dx * f16_to_f32(yb.d));
         let sumi = dot_i8_pairs(qx, ld_i8(&yb.qs));
-        acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sumi), acc);
+        _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sumi), acc)
+    };
+    let mut acc0 = _mm256_setzero_ps();
+    let mut acc1 = _mm256_setzero_ps();
+    let mut pairs_w = w.chunks_exact(2 * TS);
+    let mut pairs_y = y.chunks_exact(2);
+    for (xb, yb) in (&mut pairs_w).zip(&mut pairs_y) {
+        acc0 = block(&xb[..TS], &yb[0], acc0);
+        acc1 = block(&xb[TS..], &yb[1], acc1);
     }
-    hsum_ps(acc)
+    if let [yb] = pairs_y.remainder() {
+        acc0 = block(&w[(y.len() - 1) * TS..], yb, acc0);
+    }
+    hsum_ps(_mm256_add_ps(acc0, acc1))
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -301,7 +312,10 @@ fn dot_iq4_nl(w: &[u8], y: &[BlockQ8_0]) -> f32 {
 fn dot_mxfp4(w: &[u8], y: &[BlockQ8_0]) -> f32 {
     let table = table16(&KVALUES_MXFP4);
     dot_blocks_q8_0::<17>(w, y, |b| {
-        (_mm256_shuffle_epi8(table, nibbles_32(&b[1..])), e8m0_to_f32_half(b[0]))
+        (
+            _mm256_shuffle_epi8(table, nibbles_32(&b[1..])),
+            e8m0_to_f32_half(b[0]),
+        )
     })
 }
 

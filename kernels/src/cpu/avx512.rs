@@ -11,8 +11,8 @@ use std::arch::x86_64::*;
 use half::f16;
 
 use super::avx2::{
-    bytes_from_bits_32, f16_to_f32, fp16, hsum_ps, hsum_ps128, ld128, ld_i8, ld_u8,
-    mins_dot_bsums, nibbles_32, q6k_bias, q6k_unpack,
+    bytes_from_bits_32, f16_to_f32, fp16, hsum_ps, hsum_ps128, ld128, ld_i8, ld_u8, mins_dot_bsums,
+    nibbles_32, q6k_bias, q6k_unpack,
 };
 use super::scalar::scales_mins_k4;
 use super::RowDot;

@@ -27,13 +27,13 @@
 //! [`scalar`], which is the test oracle and the fallback.
 
 mod act;
-mod error;
-mod isa;
-mod scalar;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+mod error;
+mod isa;
+mod scalar;
 #[cfg(test)]
 mod tests;
 
@@ -46,10 +46,10 @@ pub use act::{vec_dot_type, QuantizedActivations};
 pub use error::KernelError;
 pub use isa::Isa;
 
-use act::ActSlice;
 use crate::quant::k_quants::BlockQ8K;
 use crate::quant::legacy::{BlockQ8_0, BlockQ8_1};
 use crate::quant::GgmlType;
+use act::ActSlice;
 
 /// One weight row against one activation row.
 ///
@@ -82,7 +82,9 @@ pub struct CpuKernels {
 
 impl std::fmt::Debug for CpuKernels {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CpuKernels").field("isa", &self.isa).finish()
+        f.debug_struct("CpuKernels")
+            .field("isa", &self.isa)
+            .finish()
     }
 }
 
@@ -114,18 +116,16 @@ impl CpuKernels {
             let missing = missing_features(isa);
             return Err(KernelError::IsaUnavailable { isa, missing });
         }
-        let mut table = [None; TYPE_SLOTS];
-        for ty in GgmlType::ALL {
-            if let Some(slot) = table.get_mut(ty.id() as usize) {
-                *slot = select(isa, ty);
-            }
-        }
-        Ok(Self { isa, table })
+        Ok(Self::build(isa))
     }
 
     /// The backend for the widest ISA this CPU has.
     pub fn detect() -> Self {
-        let isa = Isa::detect();
+        Self::build(Isa::detect())
+    }
+
+    /// Fill the dispatch table. Only called with an ISA the CPU has.
+    fn build(isa: Isa) -> Self {
         let mut table = [None; TYPE_SLOTS];
         for ty in GgmlType::ALL {
             if let Some(slot) = table.get_mut(ty.id() as usize) {
@@ -216,8 +216,10 @@ impl CpuKernels {
         acts: &QuantizedActivations,
         out: &mut [f32],
     ) -> Result<(), KernelError> {
-        let mut tiles = Vec::new();
-        self.matmul_tiles(ty, w, n_rows, acts, out, &mut tiles)
+        let mut scratch = SCRATCH.with(|s| s.take());
+        let r = self.matmul_tiles(ty, w, n_rows, acts, out, &mut scratch.tiles);
+        SCRATCH.with(|s| s.replace(scratch));
+        r
     }
 
     /// One weight row (`k_dim` elements of `ty`) against activation row `token`.
@@ -228,7 +230,9 @@ impl CpuKernels {
         acts: &QuantizedActivations,
         token: usize,
     ) -> Result<f32, KernelError> {
-        let dot = self.row_dot(ty).ok_or(KernelError::UnsupportedType { ty })?;
+        let dot = self
+            .row_dot(ty)
+            .ok_or(KernelError::UnsupportedType { ty })?;
         self.check_acts(ty, acts)?;
         self.check_weights(ty, w_row, 1, acts.k_dim())?;
         if token >= acts.n_tokens() {
@@ -293,7 +297,7 @@ impl CpuKernels {
             return Err(KernelError::UnsupportedType { ty });
         }
         let bs = ty.block_size();
-        if k_dim % bs != 0 {
+        if !k_dim.is_multiple_of(bs) {
             return Err(KernelError::KDimNotBlockMultiple {
                 ty,
                 k_dim,
@@ -327,7 +331,9 @@ impl CpuKernels {
         out: &mut [f32],
         tiles: &mut Vec<f32>,
     ) -> Result<(), KernelError> {
-        let dot = self.row_dot(ty).ok_or(KernelError::UnsupportedType { ty })?;
+        let dot = self
+            .row_dot(ty)
+            .ok_or(KernelError::UnsupportedType { ty })?;
         self.check_acts(ty, acts)?;
         let k_dim = acts.k_dim();
         let n_tokens = acts.n_tokens();
@@ -339,10 +345,6 @@ impl CpuKernels {
         let row_bytes = w.len() / n_rows;
         let geo = Geometry::new(n_rows, n_tokens, k_dim);
         let per_tok = k_dim / act_block(ty);
-        if k_dim == 0 {
-            out.fill(0.0);
-            return Ok(());
-        }
         // SAFETY (for every arm): `new` checked the CPU has this backend's ISA, and
         // `check_weights` checked that each `row_bytes` row holds `per_tok` blocks, the length of
         // every activation row handed to the kernel.
@@ -378,11 +380,9 @@ fn act_block(ty: GgmlType) -> usize {
 }
 
 fn check_out(out: &[f32], n_tokens: usize, n_rows: usize) -> Result<(), KernelError> {
-    let expected = n_tokens
-        .checked_mul(n_rows)
-        .ok_or(KernelError::Overflow {
-            what: "n_tokens * n_rows",
-        })?;
+    let expected = n_tokens.checked_mul(n_rows).ok_or(KernelError::Overflow {
+        what: "n_tokens * n_rows",
+    })?;
     if out.len() != expected {
         return Err(KernelError::OutputLen {
             n_tokens,
@@ -554,15 +554,13 @@ fn run<A: Sync>(
             }
         });
     let tiles = &tiles[..];
-    out.par_chunks_mut(g.n_rows)
-        .enumerate()
-        .for_each(|(t, o)| {
-            let (ti, tt) = (t / g.tok_tile, t % g.tok_tile);
-            for ri in 0..g.n_row_tiles {
-                let r0 = ri * g.row_tile;
-                let len = g.row_tile.min(g.n_rows - r0);
-                let src = (ti * g.n_row_tiles + ri) * chunk + tt * g.row_tile;
-                o[r0..r0 + len].copy_from_slice(&tiles[src..src + len]);
-            }
-        });
+    out.par_chunks_mut(g.n_rows).enumerate().for_each(|(t, o)| {
+        let (ti, tt) = (t / g.tok_tile, t % g.tok_tile);
+        for ri in 0..g.n_row_tiles {
+            let r0 = ri * g.row_tile;
+            let len = g.row_tile.min(g.n_rows - r0);
+            let src = (ti * g.n_row_tiles + ri) * chunk + tt * g.row_tile;
+            o[r0..r0 + len].copy_from_slice(&tiles[src..src + len]);
+        }
+    });
 }

@@ -12,9 +12,7 @@ use half::{bf16, f16};
 
 use crate::quant::iq::{BlockIq4Nl, BlockIq4Xs, KVALUES_IQ4NL};
 use crate::quant::k_quants::{BlockQ2K, BlockQ3K, BlockQ4K, BlockQ5K, BlockQ6K, BlockQ8K};
-use crate::quant::legacy::{
-    BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ5_1, BlockQ8_0, BlockQ8_1,
-};
+use crate::quant::legacy::{BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ5_1, BlockQ8_0, BlockQ8_1};
 use crate::quant::mxfp4::{e8m0_to_f32_half, BlockMxfp4, KVALUES_MXFP4};
 
 /// Block `i` of a row of `B`s stored at any alignment.
@@ -166,12 +164,11 @@ pub(super) fn dot_q8_0(w: &[u8], y: &[BlockQ8_0]) -> f32 {
     let mut sumf = 0f32;
     for (i, yb) in y.iter().enumerate() {
         let x: BlockQ8_0 = block(w, i);
-        let sumi: i32 = x
-            .qs
-            .iter()
-            .zip(&yb.qs)
-            .map(|(&a, &b)| i32::from(a) * i32::from(b))
-            .sum();
+        let sumi: i32 =
+            x.qs.iter()
+                .zip(&yb.qs)
+                .map(|(&a, &b)| i32::from(a) * i32::from(b))
+                .sum();
         sumf += sumi as f32 * (x.d.to_f32() * yb.d.to_f32());
     }
     sumf
@@ -182,12 +179,11 @@ pub(super) fn dot_q8_1(w: &[u8], y: &[BlockQ8_0]) -> f32 {
     let mut sumf = 0f32;
     for (i, yb) in y.iter().enumerate() {
         let x: BlockQ8_1 = block(w, i);
-        let sumi: i32 = x
-            .qs
-            .iter()
-            .zip(&yb.qs)
-            .map(|(&a, &b)| i32::from(a) * i32::from(b))
-            .sum();
+        let sumi: i32 =
+            x.qs.iter()
+                .zip(&yb.qs)
+                .map(|(&a, &b)| i32::from(a) * i32::from(b))
+                .sum();
         sumf += sumi as f32 * (x.d.to_f32() * yb.d.to_f32());
     }
     sumf
@@ -330,12 +326,11 @@ pub(super) fn dot_q8k(w: &[u8], y: &[BlockQ8K]) -> f32 {
     let mut sumf = 0f32;
     for (i, yb) in y.iter().enumerate() {
         let x: BlockQ8K = block(w, i);
-        let sumi: i32 = x
-            .qs
-            .iter()
-            .zip(&yb.qs)
-            .map(|(&a, &b)| i32::from(a) * i32::from(b))
-            .sum();
+        let sumi: i32 =
+            x.qs.iter()
+                .zip(&yb.qs)
+                .map(|(&a, &b)| i32::from(a) * i32::from(b))
+                .sum();
         sumf += (x.d * yb.d) * sumi as f32;
     }
     sumf

@@ -87,14 +87,25 @@ struct Oracle {
     q8_1_slack: Vec<f64>,
 }
 
-fn oracle(ty: GgmlType, w: &[u8], n_rows: usize, k_dim: usize, x: &[f32], n_tokens: usize) -> Oracle {
+fn oracle(
+    ty: GgmlType,
+    w: &[u8],
+    n_rows: usize,
+    k_dim: usize,
+    x: &[f32],
+    n_tokens: usize,
+) -> Oracle {
     let wd = dequant(ty, w, n_rows * k_dim);
     let act = vec_dot_type(ty).unwrap_or(GgmlType::F32);
     let xq = match quant::quantize(act, x) {
         Ok(b) => dequant(act, &b, x.len()),
         Err(e) => panic!("quantizing activations to {act}: {e}"),
     };
-    let bs = if ty.block_size() == 1 { 32 } else { ty.block_size() };
+    let bs = if ty.block_size() == 1 {
+        32
+    } else {
+        ty.block_size()
+    };
     let mut o = Oracle {
         exact: vec![0.0; n_rows * n_tokens],
         raw: vec![0.0; n_rows * n_tokens],
@@ -156,7 +167,10 @@ fn backends() -> Vec<CpuKernels> {
     }
     for isa in Isa::ALL {
         if !isa.is_available() {
-            eprintln!("skipped {isa}: this CPU lacks {:?}", isa.required_features());
+            eprintln!(
+                "skipped {isa}: this CPU lacks {:?}",
+                isa.required_features()
+            );
         }
     }
     v
@@ -180,7 +194,12 @@ const SHAPES: [(usize, usize, usize); 5] = [
 /// at most (k/32 + 8) · 3 · ε_f32 · scale. Q4_1/Q5_1 also use ggml's shortcut `m · s` for the
 /// min term, with `s = f16(d_f32 · Σq)` instead of Σ q · f16(d): two f16 roundings, at most
 /// 2 · 2⁻¹¹ relative to |m| · Σ|x_q| ≤ blockmax · Σ|x_q|.
-fn check_against_oracle(kernels: &CpuKernels, ty: GgmlType, shape: (usize, usize, usize), seed: u64) {
+fn check_against_oracle(
+    kernels: &CpuKernels,
+    ty: GgmlType,
+    shape: (usize, usize, usize),
+    seed: u64,
+) {
     let (n_rows, k_dim, n_tokens) = shape;
     let (_, w) = weights(ty, n_rows, k_dim, seed);
     let x = Rng(seed ^ 0xABCD).vec(n_tokens * k_dim, 1.0);
@@ -231,7 +250,11 @@ fn activation_quantization_stays_within_test_backend_ops_nmse() {
             let x = Rng(99 + ti as u64).vec(n_tokens * k_dim, 1.0);
             let got = run_matmul(&k, ty, &w, n_rows, k_dim, &x, n_tokens);
             let o = oracle(ty, &w, n_rows, k_dim, &x, n_tokens);
-            let num: f64 = got.iter().zip(&o.raw).map(|(&a, &b)| (f64::from(a) - b).powi(2)).sum();
+            let num: f64 = got
+                .iter()
+                .zip(&o.raw)
+                .map(|(&a, &b)| (f64::from(a) - b).powi(2))
+                .sum();
             let den: f64 = o.raw.iter().map(|b| b * b).sum();
             let nmse = num / den;
             assert!(nmse <= 5e-4, "{} {ty}: NMSE {nmse:e} > 5e-4", k.isa());
@@ -367,12 +390,16 @@ fn entry_points_agree() {
             let base = run_matmul(&k, ty, &w, n_rows, k_dim, &x, n_tokens);
 
             let mut out = vec![0f32; base.len()];
-            let r = k.matmul_with_scratch(ty, &w, n_rows, k_dim, &x, n_tokens, &mut out, &mut scratch);
+            let r =
+                k.matmul_with_scratch(ty, &w, n_rows, k_dim, &x, n_tokens, &mut out, &mut scratch);
             assert_eq!(r, Ok(()));
             assert_eq!(out, base, "{} {ty} with scratch", k.isa());
 
             let mut acts = QuantizedActivations::new();
-            assert_eq!(k.quantize_activations(ty, &x, n_tokens, k_dim, &mut acts), Ok(()));
+            assert_eq!(
+                k.quantize_activations(ty, &x, n_tokens, k_dim, &mut acts),
+                Ok(())
+            );
             assert_eq!(acts.ty(), vec_dot_type(ty));
             let mut out = vec![0f32; base.len()];
             assert_eq!(k.matmul_quantized(ty, &w, n_rows, &acts, &mut out), Ok(()));
@@ -392,7 +419,13 @@ fn entry_points_agree() {
 #[test]
 fn quantized_activations_match_kernels_quant() {
     let x = Rng(8).vec(3 * 512, 1.0);
-    for act in [GgmlType::Q8_0, GgmlType::Q8_1, GgmlType::Q8K, GgmlType::F16, GgmlType::BF16] {
+    for act in [
+        GgmlType::Q8_0,
+        GgmlType::Q8_1,
+        GgmlType::Q8K,
+        GgmlType::F16,
+        GgmlType::BF16,
+    ] {
         let mut a = QuantizedActivations::new();
         assert_eq!(a.quantize(act, &x, 3, 512), Ok(()));
         let want = match quant::quantize(act, &x) {
@@ -416,8 +449,14 @@ fn quantized_activations_match_kernels_quant() {
 fn empty_products_are_fine() {
     for k in backends() {
         let mut out = vec![];
-        assert_eq!(k.matmul(GgmlType::Q4K, &[], 0, 256, &[0.0; 256], 1, &mut out), Ok(()));
-        assert_eq!(k.matmul(GgmlType::Q4K, &[0; 144], 1, 256, &[], 0, &mut out), Ok(()));
+        assert_eq!(
+            k.matmul(GgmlType::Q4K, &[], 0, 256, &[0.0; 256], 1, &mut out),
+            Ok(())
+        );
+        assert_eq!(
+            k.matmul(GgmlType::Q4K, &[0; 144], 1, 256, &[], 0, &mut out),
+            Ok(())
+        );
     }
 }
 
@@ -434,31 +473,58 @@ fn size_mismatches_are_errors() {
     let mut out = vec![0f32; 2];
     expect_err(
         k.matmul(ty, &w[1..], 2, 256, &x, 1, &mut out),
-        KernelError::WeightLen { ty, n_rows: 2, k_dim: 256, expected: 288, found: 287 },
+        KernelError::WeightLen {
+            ty,
+            n_rows: 2,
+            k_dim: 256,
+            expected: 288,
+            found: 287,
+        },
     );
     expect_err(
         k.matmul(ty, &w, 2, 200, &x[..200], 1, &mut out),
-        KernelError::KDimNotBlockMultiple { ty, k_dim: 200, block_size: 256 },
+        KernelError::KDimNotBlockMultiple {
+            ty,
+            k_dim: 200,
+            block_size: 256,
+        },
     );
     expect_err(
         k.matmul(ty, &w, 2, 256, &x[..255], 1, &mut out),
-        KernelError::InputLen { n_tokens: 1, k_dim: 256, expected: 256, found: 255 },
+        KernelError::InputLen {
+            n_tokens: 1,
+            k_dim: 256,
+            expected: 256,
+            found: 255,
+        },
     );
     expect_err(
         k.matmul(ty, &w, 2, 256, &x, 1, &mut out[..1]),
-        KernelError::OutputLen { n_tokens: 1, n_rows: 2, expected: 2, found: 1 },
+        KernelError::OutputLen {
+            n_tokens: 1,
+            n_rows: 2,
+            expected: 2,
+            found: 1,
+        },
     );
     expect_err(
         k.matmul(GgmlType::Iq2Xxs, &w, 2, 256, &x, 1, &mut out),
-        KernelError::UnsupportedType { ty: GgmlType::Iq2Xxs },
+        KernelError::UnsupportedType {
+            ty: GgmlType::Iq2Xxs,
+        },
     );
     expect_err(
         k.matmul(ty, &w, usize::MAX, 256, &x, 1, &mut out),
-        KernelError::Overflow { what: "weight bytes" },
+        KernelError::Overflow {
+            what: "weight bytes",
+        },
     );
 
     let mut acts = QuantizedActivations::new();
-    assert_eq!(k.quantize_activations(GgmlType::Q8_0, &x, 1, 256, &mut acts), Ok(()));
+    assert_eq!(
+        k.quantize_activations(GgmlType::Q8_0, &x, 1, 256, &mut acts),
+        Ok(())
+    );
     expect_err(
         k.matmul_quantized(ty, &w, 2, &acts, &mut out),
         KernelError::ActivationType {
@@ -469,7 +535,10 @@ fn size_mismatches_are_errors() {
     );
     assert_eq!(
         k.vec_dot(GgmlType::Q8_0, &[0u8; 34 * 8], &acts, 1),
-        Err(KernelError::TokenOutOfRange { token: 1, n_tokens: 1 })
+        Err(KernelError::TokenOutOfRange {
+            token: 1,
+            n_tokens: 1
+        })
     );
     assert_eq!(
         k.vec_dot(GgmlType::Q8_0, &[0u8; 34], &acts, 0),
@@ -504,7 +573,10 @@ fn isa_names_round_trip_and_detection_is_consistent() {
             Err(KernelError::IsaUnavailable { isa: i, missing }) => {
                 assert_eq!(i, isa);
                 assert!(!avail.contains(&isa));
-                assert!(!missing.is_empty(), "{isa}: unavailable but nothing missing");
+                assert!(
+                    !missing.is_empty(),
+                    "{isa}: unavailable but nothing missing"
+                );
             }
             Err(e) => panic!("{isa}: unexpected error {e}"),
         }

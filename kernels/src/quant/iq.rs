@@ -33,8 +33,20 @@ const _: () = assert!(std::mem::size_of::<BlockIq4Xs>() == 136);
 
 use super::{check_len, nearest_int, GgmlType};
 
-block_format!(BlockIq4Nl, GgmlType::Iq4Nl, QK4_NL, dequantize_iq4_nl, quantize_iq4_nl);
-block_format!(BlockIq4Xs, GgmlType::Iq4Xs, QK_K, dequantize_iq4_xs, quantize_iq4_xs);
+block_format!(
+    BlockIq4Nl,
+    GgmlType::Iq4Nl,
+    QK4_NL,
+    dequantize_iq4_nl,
+    quantize_iq4_nl
+);
+block_format!(
+    BlockIq4Xs,
+    GgmlType::Iq4Xs,
+    QK_K,
+    dequantize_iq4_xs,
+    quantize_iq4_xs
+);
 
 /// ggml's `GROUP_MAX_EPS`.
 const GROUP_MAX_EPS: f32 = 1e-15;

@@ -62,12 +62,48 @@ const _: () = assert!(std::mem::size_of::<BlockQ8_1>() == 36);
 
 use super::{check_len, GgmlType};
 
-block_format!(BlockQ4_0, GgmlType::Q4_0, QK, dequantize_q4_0, quantize_q4_0);
-block_format!(BlockQ4_1, GgmlType::Q4_1, QK, dequantize_q4_1, quantize_q4_1);
-block_format!(BlockQ5_0, GgmlType::Q5_0, QK, dequantize_q5_0, quantize_q5_0);
-block_format!(BlockQ5_1, GgmlType::Q5_1, QK, dequantize_q5_1, quantize_q5_1);
-block_format!(BlockQ8_0, GgmlType::Q8_0, QK, dequantize_q8_0, quantize_q8_0);
-block_format!(BlockQ8_1, GgmlType::Q8_1, QK, dequantize_q8_1, quantize_q8_1);
+block_format!(
+    BlockQ4_0,
+    GgmlType::Q4_0,
+    QK,
+    dequantize_q4_0,
+    quantize_q4_0
+);
+block_format!(
+    BlockQ4_1,
+    GgmlType::Q4_1,
+    QK,
+    dequantize_q4_1,
+    quantize_q4_1
+);
+block_format!(
+    BlockQ5_0,
+    GgmlType::Q5_0,
+    QK,
+    dequantize_q5_0,
+    quantize_q5_0
+);
+block_format!(
+    BlockQ5_1,
+    GgmlType::Q5_1,
+    QK,
+    dequantize_q5_1,
+    quantize_q5_1
+);
+block_format!(
+    BlockQ8_0,
+    GgmlType::Q8_0,
+    QK,
+    dequantize_q8_0,
+    quantize_q8_0
+);
+block_format!(
+    BlockQ8_1,
+    GgmlType::Q8_1,
+    QK,
+    dequantize_q8_1,
+    quantize_q8_1
+);
 
 /// The element with the largest magnitude, sign kept (the first one on ties), as the
 /// `amax`/`max` loops of ggml's symmetric quantizers find it.

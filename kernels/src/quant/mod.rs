@@ -44,13 +44,12 @@ use std::borrow::Cow;
 use half::{bf16, f16};
 
 pub use iq::{
-    dequantize_iq4_nl, dequantize_iq4_xs, quantize_iq4_nl, quantize_iq4_xs, BlockIq4Nl,
-    BlockIq4Xs,
+    dequantize_iq4_nl, dequantize_iq4_xs, quantize_iq4_nl, quantize_iq4_xs, BlockIq4Nl, BlockIq4Xs,
 };
 pub use k_quants::{
-    dequantize_q2k, dequantize_q3k, dequantize_q4k, dequantize_q5k, dequantize_q6k,
-    dequantize_q8k, quantize_q2k, quantize_q3k, quantize_q4k, quantize_q5k, quantize_q6k,
-    quantize_q8k, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ5K, BlockQ6K, BlockQ8K,
+    dequantize_q2k, dequantize_q3k, dequantize_q4k, dequantize_q5k, dequantize_q6k, dequantize_q8k,
+    quantize_q2k, quantize_q3k, quantize_q4k, quantize_q5k, quantize_q6k, quantize_q8k, BlockQ2K,
+    BlockQ3K, BlockQ4K, BlockQ5K, BlockQ6K, BlockQ8K,
 };
 pub use legacy::{
     dequantize_q4_0, dequantize_q4_1, dequantize_q5_0, dequantize_q5_1, dequantize_q8_0,
@@ -406,7 +405,9 @@ mod tests {
     fn every_supported_type_round_trips_through_bytes() {
         for ty in GgmlType::SUPPORTED {
             let n = 2 * QK_K;
-            let src: Vec<f32> = (0..n).map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0).collect();
+            let src: Vec<f32> = (0..n)
+                .map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0)
+                .collect();
             let bytes = match quantize(ty, &src) {
                 Ok(b) => b,
                 Err(e) => panic!("{ty}: {e}"),

@@ -19,7 +19,13 @@ const _: () = assert!(std::mem::size_of::<BlockMxfp4>() == 17);
 
 use super::{check_len, GgmlType};
 
-block_format!(BlockMxfp4, GgmlType::Mxfp4, QK_MXFP4, dequantize_mxfp4, quantize_mxfp4);
+block_format!(
+    BlockMxfp4,
+    GgmlType::Mxfp4,
+    QK_MXFP4,
+    dequantize_mxfp4,
+    quantize_mxfp4
+);
 
 /// ggml's `GGML_E8M0_TO_FP32_HALF`: `2^(e − 128)`, i.e. half the E8M0 scale (the kvalues are
 /// doubled), built from bits so that it is exact down to the subnormal `e = 0, 1`.
@@ -65,7 +71,9 @@ fn best_index_mxfp4(x: f32, d: f32) -> u8 {
 pub fn quantize_mxfp4(src: &[f32], out: &mut [BlockMxfp4]) {
     check_len(GgmlType::Mxfp4, out.len(), QK_MXFP4, src.len());
     for (x, b) in src.chunks_exact(QK_MXFP4).zip(out.iter_mut()) {
-        let amax = x.iter().fold(0.0f32, |a, v| if a < v.abs() { v.abs() } else { a });
+        let amax = x
+            .iter()
+            .fold(0.0f32, |a, v| if a < v.abs() { v.abs() } else { a });
         // Float to u8 saturates here; ggml's cast is undefined outside 0..=255 (only reachable
         // for |x| < 2^-125).
         b.e = if amax > 0.0 {

@@ -66,7 +66,11 @@ pub(super) fn quantize_k4_like(
             max_min = min;
         }
     }
-    let inv_scale = if max_scale > 0.0 { 63.0 / max_scale } else { 0.0 };
+    let inv_scale = if max_scale > 0.0 {
+        63.0 / max_scale
+    } else {
+        0.0
+    };
     let inv_min = if max_min > 0.0 { 63.0 / max_min } else { 0.0 };
     let mut ls = [0u8; 8];
     let mut lm = [0u8; 8];

@@ -255,7 +255,11 @@ mod tests {
         let lm = [63, 0, 2, 40, 15, 16, 62, 1];
         let packed = pack_scale_min_k4(&ls, &lm);
         for j in 0..8 {
-            assert_eq!(get_scale_min_k4(j, &packed), (ls[j], lm[j]), "sub-block {j}");
+            assert_eq!(
+                get_scale_min_k4(j, &packed),
+                (ls[j], lm[j]),
+                "sub-block {j}"
+            );
         }
     }
 

@@ -1,0 +1,25 @@
+//! Fixture models and golden outputs for plumbline's verification harness.
+//!
+//! - [`fixtures`]: tiny deterministic GGUF models, one per architecture × weight-type mix
+//!   ([`fixtures::all`], [`fixtures::write`]). Same spec, same bytes: `tests/fixtures.rs` pins
+//!   a SHA-256 of each, so a change to a fixture (or to the quantizer or writer under it) is a
+//!   reviewed decision, never an accident.
+//! - [`vocab`]: the fixtures' SentencePiece-style tokenizer section and the standard
+//!   teacher-forced test sequence ([`vocab::sample_tokens`]).
+//! - [`rng`]: the only randomness, splitmix64 seeded per tensor.
+//!
+//! Architecture invariants:
+//! - `golden` may use the engine's GGUF writer and the kernels' quantizers to *write* fixtures,
+//!   but the `reference` crate it checks against must never depend on either (see `reference`'s
+//!   crate docs); `reference` is only a dev-dependency here.
+//! - The engine never depends on `golden`.
+//!
+//! Tests: `tests/reference_fixtures.rs` runs the reference on every fixture (taps, finiteness,
+//! f32 vs f64); `tests/engine_vs_reference.rs` is where the engine-against-reference comparison on
+//! every fixture goes.
+
+pub mod fixtures;
+pub mod rng;
+pub mod vocab;
+
+pub use fixtures::{all, by_name, write, Arch, FixtureError, FixtureSpec};
