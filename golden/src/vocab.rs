@@ -42,7 +42,12 @@ pub fn pieces() -> Vec<Piece> {
         v.push(piece(&format!("<0x{b:02X}>"), 0.0, TYPE_BYTE));
     }
     let mut singles: Vec<String> = vec!["▁".to_string()];
-    singles.extend(('0'..='9').chain('a'..='z').chain('A'..='Z').map(String::from));
+    singles.extend(
+        ('0'..='9')
+            .chain('a'..='z')
+            .chain('A'..='Z')
+            .map(String::from),
+    );
     singles.extend([".", ",", "!", "?", "'", "-", ":"].map(String::from));
     for s in singles {
         v.push(piece(&s, -10.0, TYPE_NORMAL));
@@ -107,8 +112,27 @@ mod tests {
 /// The pieces of the standard teacher-forced test sequence: `<s>` and 20 word pieces, long enough
 /// to cross the gemma3 fixture's sliding window of 8 more than twice.
 pub const SAMPLE_PIECES: &[&str] = &[
-    "<s>", "▁the", "▁quick", "▁brown", "▁fox", "▁jumps", "▁over", "▁the", "▁lazy", "▁dog", ".",
-    "▁The", "▁capital", "▁of", "▁France", "▁is", "▁Paris", ",", "▁one", "▁two", "▁three",
+    "<s>",
+    "▁the",
+    "▁quick",
+    "▁brown",
+    "▁fox",
+    "▁jumps",
+    "▁over",
+    "▁the",
+    "▁lazy",
+    "▁dog",
+    ".",
+    "▁The",
+    "▁capital",
+    "▁of",
+    "▁France",
+    "▁is",
+    "▁Paris",
+    ",",
+    "▁one",
+    "▁two",
+    "▁three",
 ];
 
 /// [`SAMPLE_PIECES`] as token ids of the fixture vocabulary.

@@ -9,7 +9,17 @@ use sha2::{Digest, Sha256};
 /// SHA-256 of every fixture file. A change here must be deliberate: it means the fixture spec,
 /// the vocabulary, the PRNG, `kernels::quant::quantize` or `engine::gguf::GgufWriter` changed
 /// what is written. Review the cause, then update the hash.
-const PINNED: &[(&str, &str)] = &[];
+#[rustfmt::skip]
+const PINNED: &[(&str, &str)] = &[
+    ("llama-f16", "377e4688123a37e4aa0afa5d3afef783bffeff22b7ed6db95cc9b0ed18f6a9b8"), // 267232 bytes
+    ("llama-q8_0", "e8d0f4249eb571a5e0dec082c7a30b9ccd574d9622d7688adf781c712b11b654"), // 147872 bytes
+    ("llama-q4_0", "ffda1c03be863c090d6a0382576f25b59fc1dab92ddc2d1330e65a005c77c237"), // 69024 bytes
+    ("llama-q4_k_m", "0783b529561797ec558126f2fe1da3e178a750d309008d8b825b36bd2fca8781"), // 1049760 bytes
+    ("llama-mix-all", "83f965dbea6fe27514b5d432bfba40b6bf64038c9a7845be6c9646c03e6b7198"), // 2424640 bytes
+    ("gemma3-q4_k_m", "ef5d01da11683706e2273ac520f2635b57f7fdda9bba9e9ff0bb811524c7b9f9"), // 3123392 bytes
+    ("deepseek2-q4_k", "19c3db5b3e2ebfe2447142ef980491c22d1de4adbcbb503d57d39a65b1e94642"), // 2662208 bytes
+    ("deepseek2-lite-q8_0", "58999d4389e86287c4397e3f0b0272c5e3c5cb3cd6bbd590e5f714685fe5e436"), // 586752 bytes
+];
 
 fn sha256_hex(bytes: &[u8]) -> String {
     Sha256::digest(bytes)
@@ -39,7 +49,11 @@ fn writing_twice_gives_identical_bytes() {
         let a = std::fs::read(a).expect("read a");
         let b = std::fs::read(b).expect("read b");
         assert!(a == b, "{}: two writes differ", spec.name);
-        assert!(a == spec.to_bytes().expect("to_bytes"), "{}: file != to_bytes", spec.name);
+        assert!(
+            a == spec.to_bytes().expect("to_bytes"),
+            "{}: file != to_bytes",
+            spec.name
+        );
     }
 }
 
@@ -60,7 +74,10 @@ fn fixture_bytes_are_pinned() {
         "pin every fixture; current hashes:\n{listing}"
     );
     for ((name, hash, _), (pin_name, pin_hash)) in actual.iter().zip(PINNED) {
-        assert_eq!(name, pin_name, "fixture order changed; current hashes:\n{listing}");
+        assert_eq!(
+            name, pin_name,
+            "fixture order changed; current hashes:\n{listing}"
+        );
         assert_eq!(hash, pin_hash, "{name} changed; current hashes:\n{listing}");
     }
 }

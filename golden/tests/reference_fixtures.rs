@@ -95,22 +95,47 @@ fn every_fixture_runs_with_every_tap_in_order() {
         assert_eq!(model.token_id("<s>"), Some(vocab::BOS_ID));
         let (logits, taps) = run(&model, &tokens);
         assert_eq!(logits.len(), n * model.vocab_size());
-        assert!(logits.iter().all(|v| v.is_finite()), "{}: non-finite logits", spec.name);
-        let got: Vec<(String, Vec<usize>)> =
-            taps.iter().map(|t| (t.name.clone(), t.shape.clone())).collect();
+        assert!(
+            logits.iter().all(|v| v.is_finite()),
+            "{}: non-finite logits",
+            spec.name
+        );
+        let got: Vec<(String, Vec<usize>)> = taps
+            .iter()
+            .map(|t| (t.name.clone(), t.shape.clone()))
+            .collect();
         assert_eq!(got, expected_taps(&spec, n), "{}", spec.name);
         for t in &taps {
-            assert_eq!(t.data.len(), t.shape.iter().product::<usize>(), "{} {}", spec.name, t.name);
-            assert!(t.data.iter().all(|v| v.is_finite()), "{}: {} not finite", spec.name, t.name);
+            assert_eq!(
+                t.data.len(),
+                t.shape.iter().product::<usize>(),
+                "{} {}",
+                spec.name,
+                t.name
+            );
+            assert!(
+                t.data.iter().all(|v| v.is_finite()),
+                "{}: {} not finite",
+                spec.name,
+                t.name
+            );
         }
         // the logits tap is the returned logits
         assert_eq!(taps.last().map(|t| &t.data), Some(&logits));
         // activations stay O(1), as the fixture weights are scaled to keep them
-        let out = taps.iter().rev().find(|t| t.name.ends_with(".out")).expect("an out tap");
+        let out = taps
+            .iter()
+            .rev()
+            .find(|t| t.name.ends_with(".out"))
+            .expect("an out tap");
         let rms = (out.data.iter().map(|v| f64::from(*v).powi(2)).sum::<f64>()
             / out.data.len() as f64)
             .sqrt();
-        assert!((0.1..100.0).contains(&rms), "{}: last residual RMS {rms}", spec.name);
+        assert!(
+            (0.1..100.0).contains(&rms),
+            "{}: last residual RMS {rms}",
+            spec.name
+        );
     }
 }
 
@@ -138,7 +163,12 @@ fn f32_and_f64_agree_on_every_fixture() {
             // O(1) activations, dot products of ≤ 640 terms and softmaxes, the relative error
             // stays around 1e-6, i.e. NMSE around 1e-12; 1e-9 leaves three orders of margin
             // while any real difference (a wrong op, a flipped MoE route) is far above it.
-            assert!(nmse < 1e-9, "{} {}: f32 vs f64 NMSE {nmse:e}", spec.name, ta.name);
+            assert!(
+                nmse < 1e-9,
+                "{} {}: f32 vs f64 NMSE {nmse:e}",
+                spec.name,
+                ta.name
+            );
         }
     }
 }

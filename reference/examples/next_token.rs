@@ -52,7 +52,10 @@ fn main() -> ExitCode {
     let z: f64 = last.iter().map(|&l| f64::from(l - max).exp()).sum();
     let mut order: Vec<usize> = (0..vocab).collect();
     order.sort_by(|&a, &b| last[b].total_cmp(&last[a]));
-    println!("tokens {tokens:?}, forward {:.2} s", t.elapsed().as_secs_f64());
+    println!(
+        "tokens {tokens:?}, forward {:.2} s",
+        t.elapsed().as_secs_f64()
+    );
     for &i in order.iter().take(10) {
         let p = f64::from(last[i] - max).exp() / z;
         println!(

@@ -168,7 +168,10 @@ mod tests {
         assert_eq!(got.len(), 256);
         for ib in 0..7 {
             let want = 0.25 * (ib as f32 + 1.0);
-            assert!(got[32 * ib..32 * ib + 32].iter().all(|&v| v == want), "sub-block {ib}");
+            assert!(
+                got[32 * ib..32 * ib + 32].iter().all(|&v| v == want),
+                "sub-block {ib}"
+            );
         }
         assert!(got[224..].iter().all(|&v| v == -8.0));
     }
@@ -191,7 +194,10 @@ mod tests {
         // e = 0 → scale 2^−128, still representable (subnormal) in f32
         let mut block = vec![0u8];
         block.extend([0x01u8; 16]);
-        assert_eq!(ExtraType::Mxfp4.dequantize(&block)[0], 2f64.powi(-128) as f32);
+        assert_eq!(
+            ExtraType::Mxfp4.dequantize(&block)[0],
+            2f64.powi(-128) as f32
+        );
     }
 
     #[test]

@@ -49,7 +49,9 @@ pub enum ReferenceError {
     #[error("the token sequence is empty")]
     EmptyInput,
 
-    #[error("token id {token} at position {position} is outside the vocabulary of {vocab_size} tokens")]
+    #[error(
+        "token id {token} at position {position} is outside the vocabulary of {vocab_size} tokens"
+    )]
     TokenOutOfRange {
         token: u32,
         position: usize,

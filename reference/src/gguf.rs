@@ -60,11 +60,9 @@ impl GgufFile {
             }
             Err(candle_err) => {
                 reader.seek(SeekFrom::Start(0)).map_err(io)?;
-                fallback_header(&mut reader, file_size).map_err(|message| {
-                    ReferenceError::Gguf {
-                        path: path.to_path_buf(),
-                        message: format!("{message} (candle-core's reader said: {candle_err})"),
-                    }
+                fallback_header(&mut reader, file_size).map_err(|message| ReferenceError::Gguf {
+                    path: path.to_path_buf(),
+                    message: format!("{message} (candle-core's reader said: {candle_err})"),
                 })?
             }
         };
@@ -184,7 +182,9 @@ fn fallback_header<R: Read + Seek>(
     for _ in 0..n_kv {
         let key = h.string()?;
         let ty = h.u32()?;
-        let value = h.value(ty, 0).map_err(|e| format!("metadata `{key}`: {e}"))?;
+        let value = h
+            .value(ty, 0)
+            .map_err(|e| format!("metadata `{key}`: {e}"))?;
         metadata.insert(key, value);
     }
     let mut tensors = HashMap::new();
@@ -192,7 +192,9 @@ fn fallback_header<R: Read + Seek>(
         let name = h.string()?;
         let n_dims = h.u32()?;
         if n_dims > 4 {
-            return Err(format!("tensor `{name}` has {n_dims} dimensions, at most 4 allowed"));
+            return Err(format!(
+                "tensor `{name}` has {n_dims} dimensions, at most 4 allowed"
+            ));
         }
         let mut dims = Vec::with_capacity(n_dims as usize);
         for _ in 0..n_dims {
@@ -359,9 +361,11 @@ impl<R: Read + Seek> Header<'_, R> {
 /// Typed metadata look-ups with the key named in every error.
 impl GgufFile {
     pub fn get_usize(&self, key: &str) -> Result<usize, ReferenceError> {
-        let v = self.metadata(key).ok_or_else(|| ReferenceError::MissingKey {
-            key: key.to_string(),
-        })?;
+        let v = self
+            .metadata(key)
+            .ok_or_else(|| ReferenceError::MissingKey {
+                key: key.to_string(),
+            })?;
         as_u64(v)
             .and_then(|x| usize::try_from(x).ok())
             .ok_or_else(|| ReferenceError::BadKey {
@@ -380,9 +384,11 @@ impl GgufFile {
     }
 
     pub fn get_f64(&self, key: &str) -> Result<f64, ReferenceError> {
-        let v = self.metadata(key).ok_or_else(|| ReferenceError::MissingKey {
-            key: key.to_string(),
-        })?;
+        let v = self
+            .metadata(key)
+            .ok_or_else(|| ReferenceError::MissingKey {
+                key: key.to_string(),
+            })?;
         as_f64(v).ok_or_else(|| ReferenceError::BadKey {
             key: key.to_string(),
             expected: "a number",

@@ -75,9 +75,8 @@ impl Rope {
         let mut sin = Vec::with_capacity(n_tokens * half);
         for p in 0..n_tokens {
             for i in 0..half {
-                let theta = p as f64
-                    * self.freq_scale
-                    * self.base.powf(-2.0 * i as f64 / n_rot as f64);
+                let theta =
+                    p as f64 * self.freq_scale * self.base.powf(-2.0 * i as f64 / n_rot as f64);
                 cos.push(theta.cos());
                 sin.push(theta.sin());
             }
@@ -99,7 +98,9 @@ impl Rope {
         let y0 = (x0.broadcast_mul(&cos)? - x1.broadcast_mul(&sin)?)?;
         let y1 = (x0.broadcast_mul(&sin)? + x1.broadcast_mul(&cos)?)?;
         let rotated = match self.layout {
-            RopeLayout::Normal => Tensor::stack(&[&y0, &y1], 3)?.reshape((n_tokens, n_heads, n_rot))?,
+            RopeLayout::Normal => {
+                Tensor::stack(&[&y0, &y1], 3)?.reshape((n_tokens, n_heads, n_rot))?
+            }
             RopeLayout::Neox => Tensor::cat(&[&y0, &y1], 2)?,
         };
         if n_rot == head_dim {
@@ -160,7 +161,10 @@ pub(crate) fn attention(
     let scores = (q.matmul(&k.t()?)? * scale)?.broadcast_add(mask)?;
     let probs = softmax_last(&scores)?;
     let out = probs.matmul(&v)?; // [n_head, n, dv]
-    Ok(out.transpose(0, 1)?.contiguous()?.reshape((n, n_head * dv))?)
+    Ok(out
+        .transpose(0, 1)?
+        .contiguous()?
+        .reshape((n, n_head * dv))?)
 }
 
 /// Gated FFN `down(act(gate(x)) ⊙ up(x))` (llama.cpp's `LLM_FFN_PAR`).
@@ -248,7 +252,14 @@ mod tests {
 
     #[test]
     fn partial_rope_passes_the_tail_through() {
-        let x = t(&[0.0; 6].iter().chain(&[1.0, 2.0, 5.0, 6.0, 7.0, 8.0]).copied().collect::<Vec<_>>(), &[2, 1, 6]);
+        let x = t(
+            &[0.0; 6]
+                .iter()
+                .chain(&[1.0, 2.0, 5.0, 6.0, 7.0, 8.0])
+                .copied()
+                .collect::<Vec<_>>(),
+            &[2, 1, 6],
+        );
         let rope = Rope {
             layout: RopeLayout::Normal,
             n_rot: 2,

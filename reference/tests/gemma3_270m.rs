@@ -88,7 +88,10 @@ fn gemma3_270m_says_paris() {
     assert_eq!(model.token_piece(2), Some("<bos>"));
     let paris = ids(&model, &["▁Paris"])[0];
 
-    let bare = ids(&model, &["<bos>", "The", "▁capital", "▁of", "▁France", "▁is"]);
+    let bare = ids(
+        &model,
+        &["<bos>", "The", "▁capital", "▁of", "▁France", "▁is"],
+    );
     let (last, n_taps, forward_s) = last_logits(&model, &bare);
     // 18 dense layers × 9 taps (no router) + embed, output_norm, logits
     assert_eq!(n_taps, 18 * 9 + 3);
@@ -99,7 +102,10 @@ fn gemma3_270m_says_paris() {
         order[0],
         model.token_piece(order[0] as u32),
         last[order[0]],
-        order.iter().position(|&i| i as u32 == paris).unwrap_or(usize::MAX),
+        order
+            .iter()
+            .position(|&i| i as u32 == paris)
+            .unwrap_or(usize::MAX),
         last[paris as usize],
         softmax_at(&last, paris as usize),
         bare.len()
@@ -112,8 +118,19 @@ fn gemma3_270m_says_paris() {
     let one_shot = ids(
         &model,
         &[
-            "<bos>", "The", "▁capital", "▁of", "▁Germany", "▁is", "▁Berlin", ".", "▁The",
-            "▁capital", "▁of", "▁France", "▁is",
+            "<bos>",
+            "The",
+            "▁capital",
+            "▁of",
+            "▁Germany",
+            "▁is",
+            "▁Berlin",
+            ".",
+            "▁The",
+            "▁capital",
+            "▁of",
+            "▁France",
+            "▁is",
         ],
     );
     let (last, _, forward_s) = last_logits(&model, &one_shot);

@@ -49,9 +49,15 @@ fn reference_depends_on_neither_engine_nor_kernels() {
     let lock_path = concat!(env!("CARGO_MANIFEST_DIR"), "/../Cargo.lock");
     let lock = std::fs::read_to_string(lock_path).unwrap_or_else(|e| panic!("{lock_path}: {e}"));
     let graph = lock_graph(&lock);
-    assert!(graph.contains_key("reference"), "reference is not in {lock_path}");
+    assert!(
+        graph.contains_key("reference"),
+        "reference is not in {lock_path}"
+    );
     let deps = closure(&graph, "reference");
-    assert!(deps.contains("candle-core"), "the walk should reach candle-core: {deps:?}");
+    assert!(
+        deps.contains("candle-core"),
+        "the walk should reach candle-core: {deps:?}"
+    );
     for forbidden in ["engine", "kernels"] {
         assert!(
             !deps.contains(forbidden),

@@ -6,6 +6,7 @@ use clap::{Parser, Subcommand};
 
 mod dump;
 mod inspect;
+mod tokenize;
 
 #[derive(Parser)]
 #[command(name = "plumbline", version, about = "LLM inference engine and verification harness")]
@@ -20,6 +21,8 @@ enum Command {
     Inspect(inspect::Args),
     /// Write one tensor dequantized to f32 (raw little-endian, or .npy)
     Dump(dump::Args),
+    /// Show the token ids and pieces of a text under a model's vocabulary
+    Tokenize(tokenize::Args),
 }
 
 pub fn main() -> ExitCode {
@@ -31,6 +34,7 @@ pub fn main() -> ExitCode {
     let result: anyhow::Result<()> = match cli.command {
         Command::Inspect(args) => inspect::run(args),
         Command::Dump(args) => dump::run(args),
+        Command::Tokenize(args) => tokenize::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

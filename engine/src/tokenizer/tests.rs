@@ -79,6 +79,8 @@ fn check(t: &Tokenizer, text: &str, parse_special: bool, expect: &[u32]) {
 fn best_score_merges_first() {
     // "▁ab": pairs ▁a (-1.5) and ab (-0.5); ab wins, then ▁+ab = ▁ab (-0.25).
     check(&tok(true), "ab", false, &[BOS, SP_AB]);
+    // Without the prefix only ab itself.
+    check(&tok(false), "ab", false, &[BOS, AB]);
 }
 
 #[test]

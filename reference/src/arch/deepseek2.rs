@@ -23,8 +23,8 @@ use candle_core::{DType, Device, Tensor};
 use super::{embed, embedding_and_head, Loader};
 use crate::error::ReferenceError;
 use crate::ops::{
-    attention, causal_mask, gated_ffn, linear, rms_norm, tap, Activation, Result, Rope,
-    RopeLayout, Taps,
+    attention, causal_mask, gated_ffn, linear, rms_norm, tap, Activation, Result, Rope, RopeLayout,
+    Taps,
 };
 
 /// llama.cpp's floor for the sum of selected expert weights before normalizing (the smallest
@@ -140,7 +140,8 @@ impl Deepseek2 {
         let n_expert_used = ld.usize_or("expert_used_count", 0)?;
         let n_shared = ld.usize_or("expert_shared_count", 0)?;
         let n_ff_exp = ld.usize_or("expert_feed_forward_length", 0)?;
-        if n_dense_lead < n_layer && (n_expert == 0 || n_expert_used == 0 || n_expert_used > n_expert)
+        if n_dense_lead < n_layer
+            && (n_expert == 0 || n_expert_used == 0 || n_expert_used > n_expert)
         {
             return Err(ReferenceError::Unsupported(format!(
                 "deepseek2 MoE with {n_expert} experts, {n_expert_used} used per token"
@@ -265,14 +266,21 @@ impl Deepseek2 {
             let q = Tensor::cat(&[&q_nope, &q_pe], 2)?;
 
             let kv_a = linear(&a_in, &l.kv_a)?;
-            let c = rms_norm(&kv_a.narrow(1, 0, self.kv_lora_rank)?, &l.kv_a_norm, self.eps)?;
+            let c = rms_norm(
+                &kv_a.narrow(1, 0, self.kv_lora_rank)?,
+                &l.kv_a_norm,
+                self.eps,
+            )?;
             let k_pe = self
                 .rope
                 .apply(&kv_a.narrow(1, self.kv_lora_rank, rd)?.reshape((n, 1, rd))?)?;
             let (k_nope, v) = match &l.kv_b {
                 KvUp::Fused(w) => {
                     let kv = linear(&c, w)?.reshape((n, h, nope + vd))?;
-                    (kv.narrow(2, 0, nope)?, kv.narrow(2, nope, vd)?.contiguous()?)
+                    (
+                        kv.narrow(2, 0, nope)?,
+                        kv.narrow(2, nope, vd)?.contiguous()?,
+                    )
                 }
                 KvUp::Split { k_b, v_b } => {
                     // per head: k_nope = c · k_b[h] ([r, nope]); v = c · v_b[h]ᵀ

@@ -17,8 +17,8 @@ use candle_core::Tensor;
 use super::{embed, embedding_and_head, Loader};
 use crate::error::ReferenceError;
 use crate::ops::{
-    attention, causal_mask, gated_ffn, linear, rms_norm, tap, Activation, Result, Rope,
-    RopeLayout, Taps,
+    attention, causal_mask, gated_ffn, linear, rms_norm, tap, Activation, Result, Rope, RopeLayout,
+    Taps,
 };
 
 /// Every sixth layer is global (llama.cpp `set_swa_pattern(6)`).
@@ -95,9 +95,7 @@ impl Gemma3 {
             base: ld.f64_opt("rope.freq_base_swa")?.unwrap_or(10_000.0),
             freq_scale: 1.0,
         };
-        let softcap = ld
-            .f64_opt("final_logit_softcapping")?
-            .filter(|&c| c > 0.0);
+        let softcap = ld.f64_opt("final_logit_softcapping")?.filter(|&c| c > 0.0);
         let (embd, head) = embedding_and_head(ld, n_embd)?;
         let output_norm = ld.tensor("output_norm.weight", &[n_embd])?;
         let mut layers = Vec::with_capacity(n_layer);

@@ -8,8 +8,8 @@ use candle_core::Tensor;
 
 use super::{embed, embedding_and_head, Loader};
 use crate::ops::{
-    attention, causal_mask, gated_ffn, linear, rms_norm, tap, Activation, Result, Rope,
-    RopeLayout, Taps,
+    attention, causal_mask, gated_ffn, linear, rms_norm, tap, Activation, Result, Rope, RopeLayout,
+    Taps,
 };
 
 struct Layer {

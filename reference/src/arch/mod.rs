@@ -39,7 +39,8 @@ impl Loader<'_> {
     }
 
     pub fn usize_or(&self, key: &str, default: usize) -> Result<usize> {
-        self.file.get_usize_or(&format!("{}{key}", self.prefix), default)
+        self.file
+            .get_usize_or(&format!("{}{key}", self.prefix), default)
     }
 
     pub fn f64(&self, key: &str) -> Result<f64> {
@@ -51,7 +52,8 @@ impl Loader<'_> {
     }
 
     pub fn bool_or(&self, key: &str, default: bool) -> Result<bool> {
-        self.file.get_bool_or(&format!("{}{key}", self.prefix), default)
+        self.file
+            .get_bool_or(&format!("{}{key}", self.prefix), default)
     }
 
     /// The linear RoPE position scale: `1 / rope.scaling.factor` for `linear` scaling, 1 without
@@ -96,10 +98,7 @@ impl Loader<'_> {
 
 /// The token embedding `[n_vocab, n_embd]` and the output head (`output.weight`, or the
 /// embedding itself when the file ties them).
-pub(crate) fn embedding_and_head(
-    ld: &mut Loader<'_>,
-    n_embd: usize,
-) -> Result<(Tensor, Tensor)> {
+pub(crate) fn embedding_and_head(ld: &mut Loader<'_>, n_embd: usize) -> Result<(Tensor, Tensor)> {
     let n_vocab = match ld.file.tensor_shape("token_embd.weight") {
         Some(shape) if shape.len() == 2 => shape[0],
         Some(shape) => {
