@@ -49,7 +49,7 @@ fn greedy_capital_of_france_is_paris_from_token_ids() {
         .forward(&PROMPT, None)
         .unwrap_or_else(|e| panic!("{e}"));
     let mut out = Vec::new();
-    for _ in 0..8 {
+    for _ in 0..40 {
         let id = argmax(logits.last());
         out.push(id);
         logits = session

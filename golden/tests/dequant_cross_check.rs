@@ -8,8 +8,10 @@ use kernels::quant::{dequantize, quantize, GgmlType};
 use reference::dequant::ExtraType;
 
 #[test]
-fn iq4_nl_iq4_xs_mxfp4_agree_with_kernels() {
+fn types_candle_lacks_agree_with_kernels() {
     for (ty, extra) in [
+        (GgmlType::Q8_1, ExtraType::Q8_1),
+        (GgmlType::Q8K, ExtraType::Q8K),
         (GgmlType::Iq4Nl, ExtraType::Iq4Nl),
         (GgmlType::Iq4Xs, ExtraType::Iq4Xs),
         (GgmlType::Mxfp4, ExtraType::Mxfp4),

@@ -1,4 +1,5 @@
-//! Plain dequantizers for the weight types candle-core 0.11 cannot read: IQ4_NL, IQ4_XS, MXFP4.
+//! Plain dequantizers for the weight types candle-core 0.11 cannot read: IQ4_NL, IQ4_XS, MXFP4
+//! (unknown to its GGUF reader) and Q8_1, Q8_K (known to the reader, refused by its tensor loader).
 //!
 //! Written from ggml's published description of the formats (`ggml-common.h` block layouts,
 //! `dequantize_row_*` in `ggml-quants.c`), deliberately separately from `kernels::quant`, so that a
@@ -19,6 +20,10 @@ const MXFP4_LEVELS: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, 
 /// A weight type candle-core does not know, with its GGUF type id and block geometry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ExtraType {
+    /// id 9: 32 values, f16 scale, f16 sum (unused here), 32 signed bytes.
+    Q8_1,
+    /// id 15: 256 values, f32 scale, 256 signed bytes, 16 i16 block sums (unused here).
+    Q8K,
     /// id 20: 32 values, f16 scale + 16 bytes of nibbles.
     Iq4Nl,
     /// id 23: 256 values, f16 scale, 8 six-bit sub-block scales, 128 bytes of nibbles.
@@ -30,6 +35,8 @@ pub enum ExtraType {
 impl ExtraType {
     pub fn from_id(id: u32) -> Option<Self> {
         match id {
+            9 => Some(Self::Q8_1),
+            15 => Some(Self::Q8K),
             20 => Some(Self::Iq4Nl),
             23 => Some(Self::Iq4Xs),
             39 => Some(Self::Mxfp4),
@@ -40,14 +47,16 @@ impl ExtraType {
     /// Values per block.
     pub fn block_size(self) -> usize {
         match self {
-            Self::Iq4Nl | Self::Mxfp4 => 32,
-            Self::Iq4Xs => 256,
+            Self::Q8_1 | Self::Iq4Nl | Self::Mxfp4 => 32,
+            Self::Q8K | Self::Iq4Xs => 256,
         }
     }
 
     /// Bytes per block.
     pub fn type_size(self) -> usize {
         match self {
+            Self::Q8_1 => 36,
+            Self::Q8K => 292,
             Self::Iq4Nl => 18,
             Self::Iq4Xs => 136,
             Self::Mxfp4 => 17,
@@ -61,6 +70,14 @@ impl ExtraType {
         let mut out = Vec::with_capacity(blocks.len() * self.block_size());
         for block in blocks {
             match self {
+                Self::Q8_1 => {
+                    let d = f16_at(block, 0);
+                    out.extend(block[4..36].iter().map(|&q| d * f32::from(q as i8)));
+                }
+                Self::Q8K => {
+                    let d = f32::from_le_bytes([block[0], block[1], block[2], block[3]]);
+                    out.extend(block[4..260].iter().map(|&q| d * f32::from(q as i8)));
+                }
                 Self::Iq4Nl => iq4_nl_block(block, &mut out),
                 Self::Iq4Xs => iq4_xs_block(block, &mut out),
                 Self::Mxfp4 => mxfp4_block(block, &mut out),
@@ -198,6 +215,28 @@ mod tests {
             ExtraType::Mxfp4.dequantize(&block)[0],
             2f64.powi(-128) as f32
         );
+    }
+
+    #[test]
+    fn q8_1_and_q8_k_are_scale_times_signed_byte() {
+        // block_q8_1 { half d; half s; int8 qs[32] }: s is a precomputed sum, not a value
+        let mut block = Vec::from(f16_bytes(0.5));
+        block.extend(f16_bytes(1000.0));
+        block.extend((0..32).map(|j| (j as i8 - 16) as u8));
+        let got = ExtraType::Q8_1.dequantize(&block);
+        assert_eq!(got[0], -8.0);
+        assert_eq!(got[16], 0.0);
+        assert_eq!(got[31], 7.5);
+        // block_q8_K { float d; int8 qs[256]; int16 bsums[16] }
+        let mut block = Vec::from(0.25f32.to_le_bytes());
+        block.extend((0..256).map(|j| (j % 256) as u8));
+        block.extend([0xffu8; 32]);
+        let got = ExtraType::Q8K.dequantize(&block);
+        assert_eq!(got.len(), 256);
+        assert_eq!(got[1], 0.25);
+        assert_eq!(got[127], 31.75);
+        assert_eq!(got[128], -32.0); // byte 0x80 is −128
+        assert_eq!(got[255], -0.25);
     }
 
     #[test]

@@ -54,7 +54,23 @@ impl GgufFile {
                 let tensors = content
                     .tensor_infos
                     .into_iter()
-                    .map(|(name, info)| (name, Entry::Candle(info)))
+                    .map(|(name, info)| {
+                        // candle parses these two but its tensor loader refuses them
+                        let extra = match info.ggml_dtype {
+                            GgmlDType::Q8_1 => Some(ExtraType::Q8_1),
+                            GgmlDType::Q8K => Some(ExtraType::Q8K),
+                            _ => None,
+                        };
+                        let entry = match extra {
+                            Some(kind) => Entry::Extra {
+                                kind,
+                                dims: info.shape.dims().to_vec(),
+                                offset: info.offset,
+                            },
+                            None => Entry::Candle(info),
+                        };
+                        (name, entry)
+                    })
                     .collect();
                 (content.metadata, tensors, content.tensor_data_offset)
             }
@@ -119,7 +135,7 @@ impl GgufFile {
             Some(Entry::Candle(info)) => info
                 .read(&mut self.reader, self.data_offset, &Device::Cpu)
                 .and_then(|q| q.dequantize(&Device::Cpu))
-                .map_err(|e| data_err(e.to_string()))?,
+                .map_err(|e| data_err(first_line(&e)))?,
             Some(Entry::Extra { kind, dims, offset }) => {
                 let elems: usize = dims.iter().product();
                 if elems % kind.block_size() != 0 {
@@ -154,6 +170,11 @@ impl GgufFile {
         };
         Ok(tensor.to_dtype(dtype)?)
     }
+}
+
+/// A candle error's message without the backtrace candle appends when `RUST_BACKTRACE` is set.
+fn first_line(e: &candle_core::Error) -> String {
+    e.to_string().lines().next().unwrap_or_default().to_string()
 }
 
 /// Read the GGUF header (v2 or v3) without candle, for files candle rejects because of a tensor
@@ -226,7 +247,7 @@ fn fallback_header<R: Read + Seek>(
     Ok((metadata, tensors, position.div_ceil(alignment) * alignment))
 }
 
-/// candle's type for a GGUF type id, for the ids candle 0.11 reads.
+/// candle's type for a GGUF type id, for the ids candle 0.11 reads and dequantizes.
 fn candle_dtype(id: u32) -> Option<GgmlDType> {
     Some(match id {
         0 => GgmlDType::F32,
@@ -236,13 +257,11 @@ fn candle_dtype(id: u32) -> Option<GgmlDType> {
         6 => GgmlDType::Q5_0,
         7 => GgmlDType::Q5_1,
         8 => GgmlDType::Q8_0,
-        9 => GgmlDType::Q8_1,
         10 => GgmlDType::Q2K,
         11 => GgmlDType::Q3K,
         12 => GgmlDType::Q4K,
         13 => GgmlDType::Q5K,
         14 => GgmlDType::Q6K,
-        15 => GgmlDType::Q8K,
         30 => GgmlDType::BF16,
         _ => return None,
     })

@@ -77,7 +77,7 @@ impl PreTokenizer {
     }
 
     /// Splits `text` into words (byte ranges that cover `text` exactly, in order).
-    pub fn split<'a>(self, text: &'a str) -> Result<Vec<&'a str>, TokenizerError> {
+    pub fn split(self, text: &str) -> Result<Vec<&str>, TokenizerError> {
         let mut pieces = vec![text];
         for re in compiled(self)? {
             let mut next = Vec::with_capacity(pieces.len() * 2);
@@ -219,8 +219,10 @@ impl Bpe {
         for (i, m) in merges.iter().enumerate() {
             // llama.cpp splits at the first space after the first byte; a merge without a space
             // becomes ("", "") and can never match.
-            let key = match m.get(1..).and_then(|rest| rest.find(' ')) {
-                Some(p) => format!("{} {}", &m[..p + 1], &m[p + 2..]),
+            let space = m.bytes().skip(1).position(|b| b == b' ').map(|p| p + 1);
+            let key = match space {
+                // A space is ASCII, so both sides of it are character boundaries.
+                Some(p) => format!("{} {}", &m[..p], &m[p + 1..]),
                 None => " ".to_string(),
             };
             ranks.entry(key).or_insert(i as u32);

@@ -122,7 +122,7 @@ pub fn detect_degeneracy(
             why: "expected at least 1, found 0".into(),
         });
     }
-    if logits.len() % n_vocab != 0 {
+    if !logits.len().is_multiple_of(n_vocab) {
         return Err(HarnessError::Length {
             what: format!("logits as rows of {n_vocab}"),
             expected: logits.len() / n_vocab * n_vocab,
