@@ -1,4 +1,5 @@
-//! The real Gemma 3 270M (Q4_K_M) model: a greedy continuation must be sensible.
+//! The real Gemma 3 270M (Q4_K_M) model: greedy continuations must be sensible and match an
+//! independent computation.
 //!
 //! The model comes from `cargo xtask fetch-model` into `$PLUMBLINE_MODELS` or
 //! `~/.cache/plumbline/models`; without it each test prints "skipped: model not fetched" and
@@ -8,6 +9,7 @@ use std::path::PathBuf;
 
 use engine::model::Model;
 use engine::runtime::{CpuBackend, Session};
+use engine::tokenizer::Tokenizer;
 
 const MODEL_FILE: &str = "gemma-3-270m-q4_k_m.gguf";
 
@@ -30,84 +32,88 @@ fn argmax(x: &[f32]) -> u32 {
     best as u32
 }
 
-/// Token ids of `<bos>The▁capital▁of▁France▁is`, looked up by exact string in the file's
-/// vocabulary with gguf-py (independent of the engine's tokenizer): `<bos>` 2, `The` 818,
-/// `▁capital` 5279, `▁of` 529, `▁France` 7001, `▁is` 563. `▁Paris` is 9079.
-const PROMPT: [u32; 6] = [2, 818, 5279, 529, 7001, 563];
+fn greedy(model: &Model, prompt: &[u32], n: usize) -> Vec<u32> {
+    let backend = CpuBackend::new(None, None).unwrap_or_else(|e| panic!("{e}"));
+    let mut session = Session::new(model, &backend, prompt.len() + n);
+    let mut logits = session
+        .forward(prompt, None)
+        .unwrap_or_else(|e| panic!("{e}"));
+    let mut out = Vec::new();
+    for _ in 0..n {
+        let id = argmax(logits.last());
+        out.push(id);
+        if out.len() < n {
+            logits = session.forward(&[id], None).unwrap_or_else(|e| panic!("{e}"));
+        }
+    }
+    out
+}
+
+macro_rules! model_or_skip {
+    () => {
+        match model_path() {
+            Some(p) => Model::load(&p).unwrap_or_else(|e| panic!("loading {}: {e}", p.display())),
+            None => {
+                println!("skipped: model not fetched");
+                return;
+            }
+        }
+    };
+}
+
+/// `<bos>The▁capital▁of▁France▁is` as ids, looked up by exact string in the file's vocabulary
+/// with gguf-py (independent of the engine's tokenizer).
+const PROMPT_IDS: [u32; 6] = [2, 818, 5279, 529, 7001, 563];
+
+/// Greedy ids after `PROMPT_IDS` from an independent float64/float32 NumPy forward pass over
+/// weights dequantized by gguf-py (no activation quantization): " the capital of the country
+/// of France. It is". The base 270M model does not say "Paris" first here: in that reference
+/// "▁the" leads "▁Paris" by 0.8 logits at the last prompt position.
+const NUMPY_GREEDY: [u32; 10] = [506, 5279, 529, 506, 2891, 529, 7001, 236761, 1030, 563];
 const PARIS: u32 = 9079;
 
 #[test]
-fn greedy_capital_of_france_is_paris_from_token_ids() {
-    let Some(path) = model_path() else {
-        println!("skipped: model not fetched");
-        return;
-    };
-    let model = Model::load(&path).unwrap_or_else(|e| panic!("loading {}: {e}", path.display()));
-    let backend = CpuBackend::new(None, None).unwrap_or_else(|e| panic!("{e}"));
-    let mut session = Session::new(&model, &backend, 64);
-    let mut logits = session
-        .forward(&PROMPT, None)
-        .unwrap_or_else(|e| panic!("{e}"));
-    let mut out = Vec::new();
-    for _ in 0..40 {
-        let id = argmax(logits.last());
-        out.push(id);
-        logits = session
-            .forward(&[id], None)
-            .unwrap_or_else(|e| panic!("{e}"));
-    }
-    println!("greedy ids: {out:?}");
-    assert!(out.contains(&PARIS), "expected ▁Paris (9079) in {out:?}");
+fn greedy_matches_an_independent_numpy_forward() {
+    let model = model_or_skip!();
+    let out = greedy(&model, &PROMPT_IDS, NUMPY_GREEDY.len());
+    assert_eq!(out, NUMPY_GREEDY);
 }
 
 #[test]
-fn dev_print_top5() {
-    let Some(path) = model_path() else {
-        println!("skipped: model not fetched");
-        return;
-    };
-    let model = Model::load(&path).unwrap_or_else(|e| panic!("{e}"));
+fn paris_is_a_top_candidate_after_the_capital_of_france_is() {
+    let model = model_or_skip!();
     let backend = CpuBackend::new(None, None).unwrap_or_else(|e| panic!("{e}"));
-    let mut session = Session::new(&model, &backend, 64);
-    session.set_logits_all(true);
-    let mut rec = engine::taps::TapRecorder::new();
+    let mut session = Session::new(&model, &backend, 8);
     let logits = session
-        .forward(&PROMPT, Some(&mut rec))
+        .forward(&PROMPT_IDS, None)
         .unwrap_or_else(|e| panic!("{e}"));
-    let o = rec.get("blk.0.out").unwrap();
-    println!(
-        "blk0 out[0,:4] {:?} last {:?}",
-        &o.data[..4],
-        &o.data[5 * 640..5 * 640 + 4]
-    );
-    for t in 0..logits.n_rows {
-        let row = logits.row(t);
-        let mut idx: Vec<usize> = (0..row.len()).collect();
-        idx.sort_by(|&a, &b| row[b].partial_cmp(&row[a]).unwrap());
-        println!(
-            "{t} {:?}",
-            idx[..5].iter().map(|&i| (i, row[i])).collect::<Vec<_>>()
-        );
-    }
+    let row = logits.last();
+    let rank = row.iter().filter(|&&v| v > row[PARIS as usize]).count();
+    // NumPy reference ranks: ▁the 19.09, ▁a 18.55, ▁Paris 18.27.
+    assert!(rank <= 2, "▁Paris ranks {rank}");
 }
 
 #[test]
-fn dev_dump_taps() {
-    let Some(path) = model_path() else {
-        return;
-    };
-    let model = Model::load(&path).unwrap_or_else(|e| panic!("{e}"));
-    let isa = std::env::var("PLUMBLINE_ISA").ok().and_then(|s| kernels::cpu::Isa::from_name(&s));
-    let backend = CpuBackend::new(isa, None).unwrap_or_else(|e| panic!("{e}"));
-    let mut session = Session::new(&model, &backend, 64);
-    let mut rec = engine::taps::TapRecorder::new();
-    session.forward(&PROMPT, Some(&mut rec)).unwrap_or_else(|e| panic!("{e}"));
-    let _ = backend;
-    std::fs::create_dir_all("/tmp/taps").unwrap();
-    for t in &rec.taps {
-        if t.name.starts_with("blk.0.") || t.name == "embed" {
-            let bytes: Vec<u8> = t.data.iter().flat_map(|v| v.to_le_bytes()).collect();
-            std::fs::write(format!("/tmp/taps/{}.f32", t.name), bytes).unwrap();
-        }
-    }
+fn greedy_question_answer_says_paris() {
+    let model = model_or_skip!();
+    let tok = Tokenizer::from_gguf(model.gguf()).unwrap_or_else(|e| panic!("{e}"));
+    let prompt = tok
+        .encode("Question: What is the capital of France?\nAnswer:", true, false)
+        .unwrap_or_else(|e| panic!("{e}"));
+    let out = greedy(&model, &prompt, 8);
+    let text = tok.decode(&out);
+    println!("greedy: {text:?}");
+    assert!(text.contains("Paris"), "expected Paris in {text:?}");
+}
+
+#[test]
+fn greedy_tokenized_prompt_equals_id_prompt() {
+    // The tokenizer's ids for the prompt are the vocabulary lookups above, so the engine's
+    // text path and id path run the same computation.
+    let model = model_or_skip!();
+    let tok = Tokenizer::from_gguf(model.gguf()).unwrap_or_else(|e| panic!("{e}"));
+    let ids = tok
+        .encode("The capital of France is", true, false)
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(ids, PROMPT_IDS);
 }

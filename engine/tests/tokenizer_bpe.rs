@@ -33,13 +33,13 @@ fn byte_chars() -> Vec<char> {
 }
 
 const MERGES: &[(&str, &str)] = &[
-    ("Ġ", "t"),  // rank 0 → id 256 "Ġt"
-    ("h", "e"),  // rank 1 → id 257 "he"
+    ("Ġ", "t"),   // rank 0 → id 256 "Ġt"
+    ("h", "e"),   // rank 1 → id 257 "he"
     ("Ġt", "he"), // rank 2 → id 258 "Ġthe"
-    ("Ġ", "Ġ"),  // rank 3 → id 259 "ĠĠ"
-    ("l", "o"),  // rank 4 → id 260 "lo"
-    ("t", "h"),  // rank 5 → id 261 "th"
-    ("th", "e"), // rank 6 → id 262 "the"
+    ("Ġ", "Ġ"),   // rank 3 → id 259 "ĠĠ"
+    ("l", "o"),   // rank 4 → id 260 "lo"
+    ("t", "h"),   // rank 5 → id 261 "th"
+    ("th", "e"),  // rank 6 → id 262 "the"
 ];
 const ENDOFTEXT: u32 = 263;
 

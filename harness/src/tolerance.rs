@@ -84,6 +84,8 @@ impl WeightClass {
             "f16" => Ok(WeightClass::F16),
             "bf16" => Ok(WeightClass::Bf16),
             "mxfp4" => Ok(WeightClass::Quantized),
+            // A fixture mixing every block type (`mix-all`): activations are quantized.
+            _ if w.starts_with("mix") => Ok(WeightClass::Quantized),
             _ if starts_quant("q") || starts_quant("iq") || starts_quant("tq") => {
                 Ok(WeightClass::Quantized)
             }

@@ -138,7 +138,7 @@ impl GgufFile {
                 .map_err(|e| data_err(first_line(&e)))?,
             Some(Entry::Extra { kind, dims, offset }) => {
                 let elems: usize = dims.iter().product();
-                if elems % kind.block_size() != 0 {
+                if !elems.is_multiple_of(kind.block_size()) {
                     return Err(data_err(format!(
                         "{elems} elements are not a whole number of {}-element blocks",
                         kind.block_size()

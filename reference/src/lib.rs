@@ -30,6 +30,10 @@ pub use error::ReferenceError;
 
 use arch::{deepseek2::Deepseek2, gemma3::Gemma3, llama::Llama, Loader};
 
+/// The tap observer: called with `(name, [n_tokens, width], data)` for every tap, in forward
+/// order (docs/TAPS.md).
+pub type TapObserver<'a> = dyn FnMut(&str, &[usize], &[f32]) + 'a;
+
 /// The dtype the reference computes in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Precision {
@@ -144,7 +148,7 @@ impl ReferenceModel {
     pub fn forward(
         &self,
         tokens: &[u32],
-        taps: &mut dyn FnMut(&str, &[usize], &[f32]),
+        taps: &mut TapObserver<'_>,
     ) -> Result<Vec<f32>, ReferenceError> {
         if tokens.is_empty() {
             return Err(ReferenceError::EmptyInput);

@@ -10,7 +10,7 @@ use crate::error::ReferenceError;
 pub(crate) type Result<T> = std::result::Result<T, ReferenceError>;
 
 /// The tap observer handed to `forward`.
-pub(crate) type Taps<'a> = &'a mut dyn FnMut(&str, &[usize], &[f32]);
+pub(crate) type Taps<'a> = &'a mut crate::TapObserver<'a>;
 
 /// Hand a `[n_tokens, …]` activation to the observer as `[n_tokens, width]` f32, row-major.
 pub(crate) fn tap(taps: Taps<'_>, name: &str, t: &Tensor) -> Result<()> {

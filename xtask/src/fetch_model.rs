@@ -61,7 +61,6 @@ pub fn known(name: &str) -> Result<&'static KnownModel> {
 }
 
 /// Where `name` lives in the cache once fetched, or `None` if it is not there.
-#[allow(dead_code)] // used by verify to find the real model without fetching
 pub fn cached_path(name: &str) -> Result<Option<PathBuf>> {
     let model = known(name)?;
     let path = models_dir()?.join(model.file_name);

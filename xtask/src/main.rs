@@ -3,6 +3,7 @@
 
 mod fetch_model;
 mod quant_errors;
+mod verify;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -21,6 +22,8 @@ enum Command {
         /// Model name (known: gemma3-270m)
         name: String,
     },
+    /// Run the verification matrix: engine vs reference tap by tap, coherence and throughput gates
+    Verify(verify::Args),
     /// Quantize→dequantize error of every weight type against ggml's published thresholds
     QuantErrors {
         /// Print JSON instead of a table
@@ -43,6 +46,7 @@ fn main() -> Result<()> {
             println!("{}", path.display());
         }
         Command::QuantErrors { json } => quant_errors::run(json)?,
+        Command::Verify(args) => verify::run(args)?,
     }
     Ok(())
 }

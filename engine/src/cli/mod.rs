@@ -5,7 +5,9 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 mod dump;
+mod generate;
 mod inspect;
+mod perplexity;
 mod tokenize;
 
 #[derive(Parser)]
@@ -21,6 +23,10 @@ enum Command {
     Inspect(inspect::Args),
     /// Write one tensor dequantized to f32 (raw little-endian, or .npy)
     Dump(dump::Args),
+    /// Continue a prompt (greedy by default), streaming the text as it decodes
+    Generate(generate::Args),
+    /// Perplexity of a text file as llama.cpp's llama-perplexity computes it
+    Perplexity(perplexity::Args),
     /// Show the token ids and pieces of a text under a model's vocabulary
     Tokenize(tokenize::Args),
 }
@@ -34,6 +40,8 @@ pub fn main() -> ExitCode {
     let result: anyhow::Result<()> = match cli.command {
         Command::Inspect(args) => inspect::run(args),
         Command::Dump(args) => dump::run(args),
+        Command::Generate(args) => generate::run(args),
+        Command::Perplexity(args) => perplexity::run(args),
         Command::Tokenize(args) => tokenize::run(args),
     };
     match result {

@@ -358,13 +358,19 @@ mod tests {
     fn top_p_keeps_the_shortest_prefix_reaching_p() {
         let logits = logits_of(&[0.5, 0.3, 0.15, 0.05]);
         // 0.5 < 0.75 ≤ 0.8: two tokens, renormalized 0.5/0.8 and 0.3/0.8.
-        let c = SamplerConfig { top_p: 0.75, ..cfg() };
+        let c = SamplerConfig {
+            top_p: 0.75,
+            ..cfg()
+        };
         check_dist(
             &Sampler::new(c).distribution(&logits, &[]),
             &[(0, 0.625), (1, 0.375)],
         );
         // 0.8 < 0.85 ≤ 0.95: three tokens.
-        let c = SamplerConfig { top_p: 0.85, ..cfg() };
+        let c = SamplerConfig {
+            top_p: 0.85,
+            ..cfg()
+        };
         check_dist(
             &Sampler::new(c).distribution(&logits, &[]),
             &[(0, 0.5 / 0.95), (1, 0.3 / 0.95), (2, 0.15 / 0.95)],
@@ -375,13 +381,19 @@ mod tests {
     fn min_p_keeps_tokens_above_a_fraction_of_the_best() {
         let logits = logits_of(&[0.5, 0.3, 0.15, 0.05]);
         // Threshold 0.2 · 0.5 = 0.1: 0.05 goes.
-        let c = SamplerConfig { min_p: 0.2, ..cfg() };
+        let c = SamplerConfig {
+            min_p: 0.2,
+            ..cfg()
+        };
         check_dist(
             &Sampler::new(c).distribution(&logits, &[]),
             &[(0, 0.5 / 0.95), (1, 0.3 / 0.95), (2, 0.15 / 0.95)],
         );
         // Threshold 0.5 · 0.5 = 0.25: 0.5 and 0.3 stay.
-        let c = SamplerConfig { min_p: 0.5, ..cfg() };
+        let c = SamplerConfig {
+            min_p: 0.5,
+            ..cfg()
+        };
         check_dist(
             &Sampler::new(c).distribution(&logits, &[]),
             &[(0, 0.625), (1, 0.375)],
@@ -447,23 +459,28 @@ mod tests {
         let expect = [0.578_304_5, 0.283_104_2, 0.138_591_3];
         let mut s = Sampler::new(c);
         let dist = s.distribution(&logits, &[]);
-        check_dist(
-            &dist,
-            &[(0, expect[0]), (1, expect[1]), (2, expect[2])],
-        );
+        check_dist(&dist, &[(0, expect[0]), (1, expect[1]), (2, expect[2])]);
         let n = 20_000usize;
         let mut counts = [0usize; 6];
         for _ in 0..n {
             counts[s.sample(&logits, &[]) as usize] += 1;
         }
-        assert_eq!(counts[3] + counts[4] + counts[5], 0, "filtered tokens drawn");
+        assert_eq!(
+            counts[3] + counts[4] + counts[5],
+            0,
+            "filtered tokens drawn"
+        );
         for (i, &p) in expect.iter().enumerate() {
             // Each count is Binomial(n, p): 5 standard deviations leave a false alarm chance
             // below 1e-6 per token for a correct sampler (and the seed is fixed anyway).
             let mean = n as f64 * p;
             let sd = (n as f64 * p * (1.0 - p)).sqrt();
             let dev = (counts[i] as f64 - mean).abs();
-            assert!(dev <= 5.0 * sd, "token {i}: {} draws, expected {mean:.0} ± {sd:.0}", counts[i]);
+            assert!(
+                dev <= 5.0 * sd,
+                "token {i}: {} draws, expected {mean:.0} ± {sd:.0}",
+                counts[i]
+            );
         }
     }
 }

@@ -20,8 +20,7 @@ use super::{Tokenizer, TokenizerError};
 
 /// GPT-2's pattern, with the trailing `\s+` that tokenizer.json has (llama.cpp keeps unmatched
 /// whitespace as a piece, which gives the same split).
-const GPT2: &str =
-    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
+const GPT2: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
 
 /// Llama 3's pattern with the case-insensitive group spelled out, as llama.cpp adapts it.
 const LLAMA3: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";

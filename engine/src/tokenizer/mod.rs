@@ -22,6 +22,7 @@
 mod bpe;
 mod error;
 mod gguf;
+mod index;
 mod spm;
 mod stream;
 
@@ -161,7 +162,7 @@ pub struct Tokenizer {
     tokens: Vec<Box<str>>,
     scores: Vec<f32>,
     types: Vec<TokenType>,
-    token_to_id: HashMap<Box<str>, u32>,
+    index: index::VocabIndex,
     /// Token for each byte value used by byte fallback, if the vocabulary has one.
     byte_tokens: [Option<u32>; 256],
     /// For BYTE tokens, the byte they stand for.
@@ -184,7 +185,10 @@ pub struct Tokenizer {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Fragment {
     /// `text[start..end]`, not yet tokenized.
-    Text { start: usize, end: usize },
+    Text {
+        start: usize,
+        end: usize,
+    },
     Token(u32),
 }
 
@@ -241,19 +245,17 @@ impl Tokenizer {
                 }
             })
             .collect();
-        let mut token_to_id = HashMap::with_capacity(n);
-        for (i, t) in tokens.iter().enumerate() {
-            // On duplicate texts the later id wins, as in llama.cpp's map assignment.
-            token_to_id.insert(t.clone(), i as u32);
-        }
+        let index = index::VocabIndex::new(&tokens);
+        let lookup = |text: &str| index.get(&tokens, text);
 
         let mut byte_of = HashMap::new();
         for (i, t) in types.iter().enumerate() {
             if *t == TokenType::Byte {
-                let b = parse_byte_token(&tokens[i]).ok_or_else(|| TokenizerError::BadByteToken {
-                    id: i as u32,
-                    piece: tokens[i].to_string(),
-                })?;
+                let b =
+                    parse_byte_token(&tokens[i]).ok_or_else(|| TokenizerError::BadByteToken {
+                        id: i as u32,
+                        piece: tokens[i].to_string(),
+                    })?;
                 byte_of.insert(i as u32, b);
             }
         }
@@ -262,23 +264,18 @@ impl Tokenizer {
         for (b, slot) in byte_tokens.iter_mut().enumerate() {
             let b = b as u8;
             *slot = match spec.model {
-                TokenizerModel::Llama => token_to_id
-                    .get(format!("<0x{b:02X}>").as_str())
-                    .copied()
-                    .or_else(|| single_byte_token(&token_to_id, b)),
-                TokenizerModel::Gpt2 => single_byte_token(&token_to_id, b),
+                TokenizerModel::Llama => {
+                    lookup(&format!("<0x{b:02X}>")).or_else(|| single_byte_token(&lookup, b))
+                }
+                TokenizerModel::Gpt2 => single_byte_token(&lookup, b),
             };
         }
 
         // End of turn by name when the file names none; such tokens become control tokens.
-        let eot = eot.or_else(|| {
-            EOT_NAMES
-                .iter()
-                .find_map(|name| token_to_id.get(*name).copied())
-        });
+        let eot = eot.or_else(|| EOT_NAMES.iter().find_map(|name| lookup(name)));
         let mut eog: HashSet<u32> = [eos, eot].into_iter().flatten().collect();
         for name in EOG_NAMES {
-            if let Some(&id) = token_to_id.get(*name) {
+            if let Some(id) = lookup(name) {
                 eog.insert(id);
             }
         }
@@ -310,7 +307,7 @@ impl Tokenizer {
             tokens,
             scores,
             types,
-            token_to_id,
+            index,
             byte_tokens,
             byte_of,
             special,
@@ -499,7 +496,7 @@ impl Tokenizer {
 
     /// The id of an exact token text, if the vocabulary has it.
     pub fn token_id(&self, piece: &str) -> Option<u32> {
-        self.token_to_id.get(piece).copied()
+        self.index.get(&self.tokens, piece)
     }
 
     /// The type of a token; `None` outside the vocabulary.
@@ -581,15 +578,9 @@ fn parse_byte_token(text: &str) -> Option<u8> {
 }
 
 /// The token whose text is the single byte `b` (only ASCII can be a one-byte string).
-fn single_byte_token(map: &HashMap<Box<str>, u32>, b: u8) -> Option<u32> {
-    if b.is_ascii() {
-        let s = [b];
-        std::str::from_utf8(&s)
-            .ok()
-            .and_then(|s| map.get(s).copied())
-    } else {
-        None
-    }
+fn single_byte_token(lookup: &impl Fn(&str) -> Option<u32>, b: u8) -> Option<u32> {
+    let s = [b];
+    std::str::from_utf8(&s).ok().and_then(lookup)
 }
 
 #[cfg(test)]

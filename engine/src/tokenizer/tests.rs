@@ -72,7 +72,10 @@ fn byte(b: u8) -> u32 {
 
 fn check(t: &Tokenizer, text: &str, parse_special: bool, expect: &[u32]) {
     let got = t.encode(text, true, parse_special).expect("encode");
-    assert_eq!(got, expect, "encoding {text:?} (parse_special {parse_special})");
+    assert_eq!(
+        got, expect,
+        "encoding {text:?} (parse_special {parse_special})"
+    );
 }
 
 #[test]
@@ -141,12 +144,18 @@ fn user_defined_tokens_are_always_cut_out() {
 fn empty_text() {
     let t = tok(true);
     assert_eq!(t.encode("", true, true).expect("encode"), vec![BOS]);
-    assert_eq!(t.encode("", false, true).expect("encode"), Vec::<u32>::new());
+    assert_eq!(
+        t.encode("", false, true).expect("encode"),
+        Vec::<u32>::new()
+    );
 }
 
 #[test]
 fn add_special_off_adds_nothing() {
-    assert_eq!(tok(true).encode("ab", false, false).expect("encode"), vec![SP_AB]);
+    assert_eq!(
+        tok(true).encode("ab", false, false).expect("encode"),
+        vec![SP_AB]
+    );
 }
 
 #[test]

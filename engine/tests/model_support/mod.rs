@@ -149,6 +149,8 @@ pub fn write(spec: &Spec) -> (tempfile::TempDir, PathBuf) {
     match spec.arch {
         Arch::Llama => {
             b.key(&k("attention.head_count_kv"), u(2));
+            b.key(&k("attention.key_length"), u(HEAD_DIM));
+            b.key(&k("attention.value_length"), u(HEAD_DIM));
             b.key(&k("rope.dimension_count"), u(HEAD_DIM));
         }
         Arch::Gemma3 => {

@@ -92,7 +92,19 @@ def tokenize(llm, text, add_special, parse_special):
 
 
 def detok(llm, ids):
-    return llm.detokenize(ids).decode("utf-8", errors="replace")
+    """llama.cpp's own llama_detokenize (remove_special=False, unparse_special=False).
+
+    Not Llama.detokenize: that Python wrapper also drops a leading space after BOS.
+    """
+    import ctypes
+
+    arr = (llama_cpp.llama_token * max(len(ids), 1))(*ids)
+    cap = 64 + 16 * len(ids)
+    buf = ctypes.create_string_buffer(cap)
+    n = llama_cpp.llama_detokenize(llm._model.vocab, arr, len(ids), buf, cap, False, False)
+    if n < 0:
+        raise RuntimeError(f"detokenize needs {-n} bytes")
+    return buf.raw[:n].decode("utf-8", errors="replace")
 
 
 def run_cases(llm, cases):

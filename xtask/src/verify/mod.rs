@@ -1,0 +1,148 @@
+//! `cargo xtask verify`: every case of the matrix this machine can run — the engine against the
+//! candle reference tap by tap, coherence gates, throughput gates — with the rest reported as
+//! skipped and why. Writes `report.json`, `report.md` (with NMSE-by-layer plots) and `junit.xml`
+//! under `target/verify/`; exits non-zero on any failure.
+
+mod faults;
+mod models;
+mod run_case;
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use harness::cases::{EngineCaps, Filter, MachineCaps, Matrix};
+use harness::report::{CaseResult, Report};
+use harness::throughput::{self, Baselines, BASELINES_PATH};
+use harness::tolerance::TolerancePolicy;
+use kernels::cpu::Isa;
+
+#[derive(clap::Args, Clone)]
+pub struct Args {
+    /// Only cases whose name matches this glob (`*`, `?`); repeatable
+    #[arg(long)]
+    pub filter: Vec<String>,
+    /// Only cases with AXIS=VALUE (axes: model, weights, backend, tp, topology, spec); repeatable
+    #[arg(long)]
+    pub only: Vec<String>,
+    /// Drop cases whose name matches this glob; repeatable
+    #[arg(long)]
+    pub exclude: Vec<String>,
+    /// Run once per injected engine fault and require each to be detected at the right place
+    #[arg(long)]
+    pub faults: bool,
+    /// Print the report as JSON on stdout
+    #[arg(long)]
+    pub json: bool,
+    /// Rewrite ci/baselines.json with this run's throughput (for review)
+    #[arg(long)]
+    pub update_baselines: bool,
+    /// Skip the throughput measurements
+    #[arg(long)]
+    pub no_bench: bool,
+    /// Threads for the engine (default: all cores)
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Where the reports go
+    #[arg(long, default_value = "target/verify")]
+    pub out: PathBuf,
+}
+
+pub fn run(args: Args) -> Result<()> {
+    if args.faults {
+        return faults::run(&args);
+    }
+    let report = verify(&args)?;
+    if report.has_failures() {
+        bail!("verify failed: {}", report.summary());
+    }
+    Ok(())
+}
+
+/// The machine's capabilities: CPU features from the kernels' own detection (one place decides),
+/// no CUDA device or engine support yet.
+fn machine_caps() -> MachineCaps {
+    let isas = Isa::available();
+    MachineCaps {
+        avx2: isas.contains(&Isa::Avx2),
+        avx512: isas.contains(&Isa::Avx512),
+        cuda_archs: Vec::new(),
+        nvlink: false,
+        engine: EngineCaps { cuda: false, tensor_parallel: false, speculative: false },
+        models_missing: Default::default(),
+    }
+}
+
+pub fn verify(args: &Args) -> Result<Report> {
+    let started = Instant::now();
+    let models = models::discover(&args.out.join("fixtures"))?;
+    let machine = machine_caps().with_models(&models.entries);
+    let filter = Filter::new(&args.filter, &args.only, &args.exclude)?;
+    let cases = filter.apply(Matrix::enumerate(&models.entries, &machine));
+    if cases.is_empty() {
+        bail!("no case matches the filters");
+    }
+    let threads = args.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let policy = TolerancePolicy::default();
+    let baselines_path = PathBuf::from(BASELINES_PATH);
+    let mut baselines = Baselines::load(&baselines_path)?;
+    let runnable = cases.iter().filter(|c| c.skip_reason(&machine).is_none()).count();
+    let bandwidth = if args.no_bench || runnable == 0 {
+        None
+    } else {
+        let bw = throughput::measure_memory_bandwidth()?;
+        eprintln!("memory bandwidth: {:.1} GB/s (median of {} passes over {} MiB)", bw.gb_per_s(), bw.passes, bw.buffer_bytes >> 20);
+        Some(bw)
+    };
+
+    let mut report = Report::default();
+    let mut refs = run_case::ReferenceCache::default();
+    let mut updated = false;
+    for (i, case) in cases.iter().enumerate() {
+        let name = case.name();
+        if let Some(reason) = case.skip_reason(&machine) {
+            report.push(CaseResult::skipped(&name, &reason));
+            continue;
+        }
+        eprintln!("[{}/{}] {name}", i + 1, cases.len());
+        let Some(path) = models.paths.get(&(case.model.clone(), case.weights.clone())) else {
+            report.push(CaseResult::error(&name, "no model file for this case"));
+            continue;
+        };
+        let env = run_case::CaseEnv {
+            path,
+            real: case.model == models::REAL_MODEL,
+            threads,
+            policy: &policy,
+            bandwidth: bandwidth.as_ref(),
+            baselines: &baselines,
+            bench: !args.no_bench,
+        };
+        let result = match run_case::run(case, &env, &mut refs) {
+            Ok((result, measured)) => {
+                if let (true, Some(m)) = (args.update_baselines, measured) {
+                    baselines.update(&name, m);
+                    updated = true;
+                }
+                result
+            }
+            Err(e) => CaseResult::error(&name, &format!("{e:#}")),
+        };
+        eprintln!("      {} {}", result.verdict.label(), result.headline());
+        report.push(result);
+    }
+
+    let written = report.write_all(&args.out).context("writing the reports")?;
+    if updated {
+        baselines.save(&baselines_path)?;
+        eprintln!("updated {} (review the change before committing)", baselines_path.display());
+    }
+    if args.json {
+        println!("{}", report.to_json()?);
+    } else {
+        print!("{}", harness::report::console_table(&report));
+        println!("reports: {}, {}, {}", written.markdown.display(), written.json.display(), written.junit.display());
+        println!("{:.0} s", started.elapsed().as_secs_f64());
+    }
+    Ok(report)
+}

@@ -1,0 +1,79 @@
+//! The models a verify run can use: the golden fixtures (always, written on demand) and the real
+//! models (when fetched).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use harness::cases::ModelEntry;
+use harness::tolerance::WeightClass;
+
+use crate::fetch_model;
+
+/// The real model of the matrix and its weight type as named in case names.
+pub const REAL_MODEL: &str = "gemma3-270m";
+pub const REAL_WEIGHTS: &str = "q4_k_m";
+
+/// Where each `(model, weights)` of the matrix comes from.
+pub struct Models {
+    pub entries: Vec<ModelEntry>,
+    /// `(model, weights)` → the GGUF file, for every available model.
+    pub paths: BTreeMap<(String, String), PathBuf>,
+}
+
+/// Split a fixture name such as `deepseek2-lite-q8_0` into model (`deepseek2-lite`) and weights
+/// (`q8_0`): the weights are the shortest suffix after a `-` that names a weight type.
+pub fn split_fixture_name(name: &str) -> Option<(&str, &str)> {
+    name.match_indices('-')
+        .map(|(i, _)| (&name[..i], &name[i + 1..]))
+        .find(|(_, w)| WeightClass::parse(w).is_ok())
+}
+
+/// Write every fixture under `dir` (deterministic bytes; rewritten each run) and look up the real
+/// model in the cache without fetching it.
+pub fn discover(dir: &Path) -> Result<Models> {
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let mut paths = BTreeMap::new();
+    let mut by_model: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for spec in golden::fixtures::all() {
+        let (model, weights) = split_fixture_name(spec.name)
+            .with_context(|| format!("fixture name {} does not end in a weight type", spec.name))?;
+        let path = golden::fixtures::write(&spec, dir)
+            .with_context(|| format!("writing fixture {}", spec.name))?;
+        by_model.entry(model.to_owned()).or_default().push(weights.to_owned());
+        paths.insert((model.to_owned(), weights.to_owned()), path);
+    }
+    let mut entries: Vec<ModelEntry> = by_model
+        .iter()
+        .map(|(model, weights)| {
+            let weights: Vec<&str> = weights.iter().map(String::as_str).collect();
+            let entry = ModelEntry::fixture(model, &weights, true);
+            // One fixture carries the CUDA / TP / speculation axes beside the real model.
+            if model == "llama" {
+                entry.extended()
+            } else {
+                entry
+            }
+        })
+        .collect();
+    let real = fetch_model::cached_path(REAL_MODEL)?;
+    entries.push(ModelEntry::real(REAL_MODEL, &[REAL_WEIGHTS], real.is_some()));
+    if let Some(path) = real {
+        paths.insert((REAL_MODEL.to_owned(), REAL_WEIGHTS.to_owned()), path);
+    }
+    Ok(Models { entries, paths })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::split_fixture_name;
+
+    #[test]
+    fn fixture_names_split_into_model_and_weights() {
+        assert_eq!(split_fixture_name("llama-q4_0"), Some(("llama", "q4_0")));
+        assert_eq!(split_fixture_name("llama-q4_k_m"), Some(("llama", "q4_k_m")));
+        assert_eq!(split_fixture_name("llama-mix-all"), Some(("llama", "mix-all")));
+        assert_eq!(split_fixture_name("deepseek2-lite-q8_0"), Some(("deepseek2-lite", "q8_0")));
+        assert_eq!(split_fixture_name("gemma3"), None);
+    }
+}
