@@ -422,6 +422,13 @@ pub fn compare_taps(
         .filter_map(|t| TapId::parse(&t.name).and_then(|id| id.layer))
         .max()
         .map_or(0, |l| l + 1);
+    // The first layer whose reference emitted a router tap: top-k expert choices start there.
+    let first_moe_layer = reference
+        .iter()
+        .filter_map(|t| TapId::parse(&t.name))
+        .filter(|id| id.kind == TapKind::Router)
+        .filter_map(|id| id.layer)
+        .min();
 
     let mut taps = Vec::new();
     let mut seen = std::collections::HashSet::new();
@@ -466,7 +473,16 @@ pub fn compare_taps(
         }
         let width = r.shape.last().copied().unwrap_or(1);
         let metrics = tap_metrics(&e.data, &r.data, width);
-        let tolerance = policy.tolerance(id.kind, id.layer, n_layers, ctx);
+        let mut tolerance = policy.tolerance(id.kind, id.layer, n_layers, ctx);
+        if let Some(m) = first_moe_layer {
+            let after = match id.layer {
+                Some(l) => l > m || (l == m && matches!(id.kind, TapKind::FfnOut | TapKind::Out)),
+                None => matches!(id.kind, TapKind::OutputNorm | TapKind::Logits),
+            };
+            if after {
+                tolerance = policy.after_moe(tolerance);
+            }
+        }
         let violations = check_tolerance(&metrics, &tolerance);
         if !violations.is_empty() {
             findings.push((

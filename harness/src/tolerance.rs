@@ -139,6 +139,8 @@ pub struct TolerancePolicy {
     pub headroom: f64,
     pub nmse_cap: f64,
     pub cosine_floor: f64,
+    /// NMSE admitted from a mixture-of-experts layer's output onward (see [`Self::after_moe`]).
+    pub moe_route_flip_nmse: f64,
 }
 
 /// NMSE of a dot product whose activations are rounded to a float type with unit roundoff `u`.
@@ -170,6 +172,13 @@ impl Default for TolerancePolicy {
             nmse_cap: 2e-2,
             // A cosine below 0.9 is a different vector whatever the NMSE allowance says.
             cosine_floor: 0.9,
+            // Top-k routing is a discrete choice: where a token's k-th and (k+1)-th router scores
+            // are closer than the Q8 activation noise, engine and reference pick different
+            // experts, and that token's MoE output differs by a whole expert. On the deepseek2
+            // fixtures this was measured at NMSE up to 0.045 (random routers have many near
+            // ties); 0.1 leaves 2x headroom. Wrong routing for every token (a real bug) costs
+            // NMSE of order 1, and a NaN fails on parity whatever the bound.
+            moe_route_flip_nmse: 0.1,
         }
     }
 }
@@ -238,6 +247,16 @@ impl TolerancePolicy {
         Tolerance {
             nmse_max,
             cosine_min: (1.0 - nmse_max).max(self.cosine_floor),
+        }
+    }
+
+    /// Loosen `tol` for a tap computed after a top-k expert choice: the MoE layer's own
+    /// `ffn_out` and `out`, every later layer, and the model's outputs.
+    pub fn after_moe(&self, tol: Tolerance) -> Tolerance {
+        let nmse_max = tol.nmse_max.max(self.moe_route_flip_nmse);
+        Tolerance {
+            nmse_max,
+            cosine_min: tol.cosine_min.min((1.0 - nmse_max).max(self.cosine_floor)),
         }
     }
 
