@@ -15,7 +15,8 @@ pub const ENV_VAR: &str = "PLUMBLINE_FAULT";
 pub enum Fault {
     /// RoPE uses position `p + 1` for queries and keys (first seen at `blk.0.q`).
     RopePositionOffByOne,
-    /// Layer 0 drops the residual add after attention (first seen at `blk.0.out`).
+    /// Layer 0 drops the residual add after attention (first seen at `blk.0.ffn_norm`, the first tap
+    /// computed from the residual stream after that add).
     SkipResidualAdd,
     /// Sliding-window layers let a query see one key more than the window (first seen at the
     /// `attn` tap of a local layer, only once a sequence is longer than the window).

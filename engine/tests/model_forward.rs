@@ -27,10 +27,7 @@ fn full_logits(model: &Model, be: &CpuBackend, toks: &[u32]) -> Logits {
 fn rel_err(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
     let scale = b.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6);
-    a.iter()
-        .zip(b)
-        .fold(0f32, |m, (x, y)| m.max((x - y).abs()))
-        / scale
+    a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
 }
 
 /// Decoding with the cache runs the same per-row arithmetic as a full forward (matmuls and
@@ -53,7 +50,10 @@ fn check_decode_equals_full(arch: Arch, mat_type: GgmlType) {
         let l = s.forward(&[t], None).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(l.n_rows, 1);
         let err = rel_err(l.last(), full.row(i));
-        assert!(err <= DECODE_TOL, "{arch:?} {mat_type} position {i}: rel err {err}");
+        assert!(
+            err <= DECODE_TOL,
+            "{arch:?} {mat_type} position {i}: rel err {err}"
+        );
     }
     assert_eq!(s.n_past(), toks.len());
 }
@@ -137,7 +137,10 @@ fn check_isas(mat_type: GgmlType, tol: f32) {
                 let l = full_logits(&model, &backend(isa, threads), &toks);
                 for i in 0..toks.len() {
                     let err = rel_err(l.row(i), reference.row(i));
-                    assert!(err <= tol, "{arch:?} {mat_type} {isa} x{threads} row {i}: {err}");
+                    assert!(
+                        err <= tol,
+                        "{arch:?} {mat_type} {isa} x{threads} row {i}: {err}"
+                    );
                 }
             }
         }
@@ -172,9 +175,15 @@ fn taps_in_forward_order_with_shapes() {
         let mut rec = TapRecorder::new();
         let mut s = Session::new(&model, &be, 64);
         // Generation mode: taps still cover every token of the call.
-        let logits = s.forward(&toks, Some(&mut rec)).unwrap_or_else(|e| panic!("{e}"));
+        let logits = s
+            .forward(&toks, Some(&mut rec))
+            .unwrap_or_else(|e| panic!("{e}"));
         let moe_from = c.moe.map(|m| m.n_dense_lead);
-        assert_eq!(rec.names(), expected_tap_names(spec.n_layer, moe_from), "{arch:?}");
+        assert_eq!(
+            rec.names(),
+            expected_tap_names(spec.n_layer, moe_from),
+            "{arch:?}"
+        );
         let (qk, kw, vw) = match c.mla {
             Some(m) => (
                 c.n_head * (m.qk_nope + m.qk_rope),
@@ -218,7 +227,8 @@ fn gemma3_embed_tap_is_scaled_by_sqrt_n_embd() {
     let be = backend(Isa::Scalar, 1);
     let mut rec = TapRecorder::new();
     let mut s = Session::new(&model, &be, 8);
-    s.forward(&[3], Some(&mut rec)).unwrap_or_else(|e| panic!("{e}"));
+    s.forward(&[3], Some(&mut rec))
+        .unwrap_or_else(|e| panic!("{e}"));
     let mut row = vec![0f32; N_EMBD];
     model
         .embedding_row(3, &mut row)
@@ -254,7 +264,10 @@ fn sliding_window_limits_what_a_local_layer_sees() {
         // And one token less would change it: the window is not narrower than w.
         let narrower = full_logits(&model, &be, &toks[p + 2 - w..=p]);
         let err = rel_err(narrower.last(), full.row(p));
-        assert!(err > 1e-3, "position {p}: a window of w-1 tokens gives the same logits");
+        assert!(
+            err > 1e-3,
+            "position {p}: a window of w-1 tokens gives the same logits"
+        );
     }
 }
 
@@ -305,7 +318,9 @@ fn wrong_shape_names_tensor_and_dims() {
     spec.wrong_shape.push("blk.0.ffn_up.weight".into());
     let msg = load_err(&spec);
     assert!(
-        msg.contains("blk.0.ffn_up.weight") && msg.contains("[64, 128]") && msg.contains("[128, 128]"),
+        msg.contains("blk.0.ffn_up.weight")
+            && msg.contains("[64, 128]")
+            && msg.contains("[128, 128]"),
         "{msg}"
     );
     let mut spec = Spec::new(Arch::Deepseek2);
@@ -336,10 +351,16 @@ fn forward_rejects_bad_tokens_and_overflow_without_touching_the_cache() {
     let mut s = Session::new(&model, &be, 4);
     assert!(s.forward(&[], None).is_err());
     let e = s.forward(&[1, N_VOCAB as u32], None);
-    assert!(matches!(e, Err(engine::runtime::RuntimeError::TokenOutOfRange { index: 1, .. })));
-    s.forward(&[1, 2, 3], None).unwrap_or_else(|e| panic!("{e}"));
+    assert!(matches!(
+        e,
+        Err(engine::runtime::RuntimeError::TokenOutOfRange { index: 1, .. })
+    ));
+    s.forward(&[1, 2, 3], None)
+        .unwrap_or_else(|e| panic!("{e}"));
     let e = s.forward(&[1, 2], None);
-    assert!(matches!(e, Err(engine::runtime::RuntimeError::ContextFull { .. })));
+    assert!(matches!(
+        e,
+        Err(engine::runtime::RuntimeError::ContextFull { .. })
+    ));
     assert_eq!(s.n_past(), 3);
 }
-

@@ -43,7 +43,9 @@ fn greedy(model: &Model, prompt: &[u32], n: usize) -> Vec<u32> {
         let id = argmax(logits.last());
         out.push(id);
         if out.len() < n {
-            logits = session.forward(&[id], None).unwrap_or_else(|e| panic!("{e}"));
+            logits = session
+                .forward(&[id], None)
+                .unwrap_or_else(|e| panic!("{e}"));
         }
     }
     out
@@ -98,7 +100,11 @@ fn greedy_question_answer_says_paris() {
     let model = model_or_skip!();
     let tok = Tokenizer::from_gguf(model.gguf()).unwrap_or_else(|e| panic!("{e}"));
     let prompt = tok
-        .encode("Question: What is the capital of France?\nAnswer:", true, false)
+        .encode(
+            "Question: What is the capital of France?\nAnswer:",
+            true,
+            false,
+        )
         .unwrap_or_else(|e| panic!("{e}"));
     let out = greedy(&model, &prompt, 8);
     let text = tok.decode(&out);

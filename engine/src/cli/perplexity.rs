@@ -39,7 +39,10 @@ pub struct Args {
 pub fn nll(logits: &[f32], target: u32) -> f64 {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let sum: f64 = logits.iter().map(|&l| f64::from(l - max).exp()).sum();
-    let lt = logits.get(target as usize).copied().unwrap_or(f32::NEG_INFINITY);
+    let lt = logits
+        .get(target as usize)
+        .copied()
+        .unwrap_or(f32::NEG_INFINITY);
     -(f64::from(lt - max) - sum.ln())
 }
 

@@ -195,7 +195,11 @@ impl ModelConfig {
         let rms_eps = k
             .f32_opt("attention.layer_norm_rms_epsilon")?
             .ok_or_else(|| {
-                ModelError::invalid(k.key("attention.layer_norm_rms_epsilon"), "a value", "nothing")
+                ModelError::invalid(
+                    k.key("attention.layer_norm_rms_epsilon"),
+                    "a value",
+                    "nothing",
+                )
             })?;
         if !(rms_eps.is_finite() && rms_eps >= 0.0) {
             return Err(ModelError::invalid(
@@ -333,7 +337,9 @@ impl ModelConfig {
                 });
                 // llama.cpp's kq_scale: mscale² / sqrt(key_length), mscale = 1 + 0.1·log_mul·ln(factor)
                 // under YaRN (the rotation itself keeps magnitude 1), 1 otherwise.
-                let log_mul = k.f32_opt("rope.scaling.yarn_log_multiplier")?.unwrap_or(0.0);
+                let log_mul = k
+                    .f32_opt("rope.scaling.yarn_log_multiplier")?
+                    .unwrap_or(0.0);
                 let mscale = if yarn.is_some() {
                     1.0 + log_mul * (1.0 / freq_scale).ln()
                 } else {
@@ -357,10 +363,14 @@ impl ModelConfig {
             ("vocab_size", n_vocab),
         ] {
             if v > MAX_DIM {
-                return Err(ModelError::invalid(k.key(key), format!("at most {MAX_DIM}"), v));
+                return Err(ModelError::invalid(
+                    k.key(key),
+                    format!("at most {MAX_DIM}"),
+                    v,
+                ));
             }
         }
-        if n_head_kv == 0 || n_head % n_head_kv != 0 {
+        if n_head_kv == 0 || !n_head.is_multiple_of(n_head_kv) {
             return Err(ModelError::invalid(
                 k.key("attention.head_count_kv"),
                 format!("a divisor of attention.head_count ({n_head})"),
@@ -368,16 +378,14 @@ impl ModelConfig {
             ));
         }
         let rope_dims = mla.map_or(head_dim_k, |m| m.qk_rope);
-        if n_rot == 0 || n_rot > rope_dims || n_rot % 2 != 0 {
+        if n_rot == 0 || n_rot > rope_dims || !n_rot.is_multiple_of(2) {
             return Err(ModelError::invalid(
                 k.key("rope.dimension_count"),
                 format!("an even value in 2..={rope_dims}"),
                 n_rot,
             ));
         }
-        let final_logit_softcap = k
-            .f32_opt("final_logit_softcapping")?
-            .filter(|c| *c != 0.0);
+        let final_logit_softcap = k.f32_opt("final_logit_softcapping")?.filter(|c| *c != 0.0);
 
         let rope = RopeConfig {
             style,
@@ -483,7 +491,11 @@ fn check_factor(k: &Keys<'_>, key: &str, factor: f32) -> Result<f32, ModelError>
         return Ok(1.0);
     }
     if !(factor.is_finite() && factor > 0.0) {
-        return Err(ModelError::invalid(k.key(key), "a finite factor > 0", factor));
+        return Err(ModelError::invalid(
+            k.key(key),
+            "a finite factor > 0",
+            factor,
+        ));
     }
     Ok(1.0 / factor)
 }

@@ -37,12 +37,7 @@ fn expert_mat<'m>(m: &'m Model, w: &'m Weight, e: usize) -> MatRef<'m> {
 }
 
 /// `x · wᵀ` for `n` rows, into a new buffer.
-fn matmul(
-    be: &dyn Backend,
-    w: MatRef<'_>,
-    x: &[f32],
-    n: usize,
-) -> Result<Vec<f32>, RuntimeError> {
+fn matmul(be: &dyn Backend, w: MatRef<'_>, x: &[f32], n: usize) -> Result<Vec<f32>, RuntimeError> {
     let mut out = vec![0f32; n * w.n_rows];
     be.matmul(&w, x, n, &mut out)?;
     Ok(out)
@@ -126,7 +121,11 @@ pub(crate) fn forward(
     }
 
     // Only the rows whose logits are wanted go through the head (all of them for taps).
-    let first = if logits_all || taps.enabled() { 0 } else { n - 1 };
+    let first = if logits_all || taps.enabled() {
+        0
+    } else {
+        n - 1
+    };
     let rows = n - first;
     let mut xn = vec![0f32; rows * d];
     be.rms_norm(&x[first * d..], &m.output_norm, c.rms_eps, &mut xn)?;
@@ -211,7 +210,7 @@ fn std_attention(
     if let Some(w) = &a.k_norm {
         be.rms_norm_inplace(&mut k, w, c.rms_eps)?;
     }
-    if faults::is_active(Fault::SwappedQkShards) && c.n_head % 2 == 0 {
+    if faults::is_active(Fault::SwappedQkShards) && c.n_head.is_multiple_of(2) {
         let half = c.n_head / 2 * c.head_dim_k;
         for row in q.chunks_exact_mut(2 * half) {
             let (a0, a1) = row.split_at_mut(half);
@@ -437,4 +436,51 @@ fn moe_ffn(
         be.add(&mut out, &s)?;
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn moe(gating: Gating, norm: bool, scale: f32, k: usize) -> MoeConfig {
+        MoeConfig {
+            n_expert: 4,
+            n_expert_used: k,
+            n_expert_shared: 0,
+            n_ff_exp: 8,
+            n_dense_lead: 0,
+            weights_scale: scale,
+            weights_norm: norm,
+            gating,
+        }
+    }
+
+    #[test]
+    fn softmax_router_picks_top_k_by_probability() {
+        let logits = [0.0, 2.0, 1.0, -1.0];
+        let (ids, w) = route(&logits, None, &moe(Gating::Softmax, false, 1.0, 2));
+        assert_eq!(ids, [1, 2]);
+        // softmax(2) and softmax(1) over {0, 2, 1, -1}, computed by hand in f64.
+        let z: f64 = [0f64, 2.0, 1.0, -1.0].iter().map(|v| v.exp()).sum();
+        approx::assert_relative_eq!(w[0], (2f64.exp() / z) as f32, max_relative = 1e-6);
+        approx::assert_relative_eq!(w[1], (1f64.exp() / z) as f32, max_relative = 1e-6);
+    }
+
+    #[test]
+    fn bias_changes_the_choice_but_not_the_weights() {
+        let logits = [0.0, 2.0, 1.0, -1.0];
+        let bias = [0.0, 0.0, 0.0, 5.0];
+        let cfg = moe(Gating::Sigmoid, false, 1.0, 2);
+        let (ids, w) = route(&logits, Some(&bias), &cfg);
+        assert_eq!(ids, [3, 1]);
+        let sig = |x: f32| 1.0 / (1.0 + (-x).exp());
+        assert_eq!(w, [sig(-1.0), sig(2.0)]);
+    }
+
+    #[test]
+    fn weights_are_normalized_then_scaled() {
+        let logits = [0.0, 2.0, 1.0, -1.0];
+        let (_, w) = route(&logits, None, &moe(Gating::Sigmoid, true, 2.5, 3));
+        approx::assert_relative_eq!(w.iter().sum::<f32>(), 2.5, max_relative = 1e-6);
+    }
 }

@@ -75,13 +75,13 @@ impl<'a> Loader<'a> {
     }
 
     fn check_bytes(&self, info: &TensorInfo) -> Result<(), ModelError> {
-        let expected = info
-            .ggml_type
-            .bytes_for(info.n_elements())
-            .ok_or(ModelError::UnsupportedType {
-                name: info.name.clone(),
-                ty: info.ggml_type,
-            })?;
+        let expected =
+            info.ggml_type
+                .bytes_for(info.n_elements())
+                .ok_or(ModelError::UnsupportedType {
+                    name: info.name.clone(),
+                    ty: info.ggml_type,
+                })?;
         let found = self.gguf.tensor_data(info).len() as u64;
         if found != expected || info.n_bytes != expected {
             return Err(ModelError::DataLen {

@@ -99,8 +99,7 @@ pub trait Backend: Send + Sync {
     fn scale(&self, x: &mut [f32], s: f32);
 
     /// `gate = act(gate) · up`.
-    fn gated_act(&self, act: Activation, gate: &mut [f32], up: &[f32])
-        -> Result<(), RuntimeError>;
+    fn gated_act(&self, act: Activation, gate: &mut [f32], up: &[f32]) -> Result<(), RuntimeError>;
 
     /// `x = cap · tanh(x / cap)`.
     fn softcap(&self, x: &mut [f32], cap: f32);

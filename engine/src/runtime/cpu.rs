@@ -75,7 +75,13 @@ fn yarn_ramp(low: f32, high: f32, i0: usize) -> f32 {
 }
 
 /// ggml's `ggml_rope_yarn_corr_dims`.
-fn yarn_corr_dims(n_dims: usize, n_ctx_orig: usize, base: f32, beta_fast: f32, beta_slow: f32) -> [f32; 2] {
+fn yarn_corr_dims(
+    n_dims: usize,
+    n_ctx_orig: usize,
+    base: f32,
+    beta_fast: f32,
+    beta_slow: f32,
+) -> [f32; 2] {
     let corr = |n_rot: f32| {
         n_dims as f32 * (n_ctx_orig as f32 / (n_rot * 2.0 * std::f32::consts::PI)).ln()
             / (2.0 * base.ln())
@@ -92,7 +98,13 @@ pub(crate) fn rope_cache(pos: usize, rope: &RopeConfig, cache: &mut Vec<(f32, f3
     let theta_scale = rope.freq_base.powf(-2.0 / n_dims as f32);
     let (corr, ext_factor, mut mscale) = match rope.yarn {
         Some(y) => (
-            yarn_corr_dims(n_dims, y.n_ctx_orig, rope.freq_base, y.beta_fast, y.beta_slow),
+            yarn_corr_dims(
+                n_dims,
+                y.n_ctx_orig,
+                rope.freq_base,
+                y.beta_fast,
+                y.beta_slow,
+            ),
             y.ext_factor,
             y.attn_factor,
         ),
@@ -227,7 +239,7 @@ impl Backend for CpuBackend {
     ) -> Result<(), RuntimeError> {
         let n = weight.len();
         check_len("rms_norm output", x.len(), out.len())?;
-        if n == 0 || x.len() % n != 0 {
+        if n == 0 || !x.len().is_multiple_of(n) {
             return Err(RuntimeError::Shape {
                 op: "rms_norm input (a multiple of the weight length)",
                 expected: n,
@@ -247,7 +259,7 @@ impl Backend for CpuBackend {
         eps: f32,
     ) -> Result<(), RuntimeError> {
         let n = weight.len();
-        if n == 0 || x.len() % n != 0 {
+        if n == 0 || !x.len().is_multiple_of(n) {
             return Err(RuntimeError::Shape {
                 op: "rms_norm input (a multiple of the weight length)",
                 expected: n,
@@ -272,7 +284,7 @@ impl Backend for CpuBackend {
         rope: &RopeConfig,
     ) -> Result<(), RuntimeError> {
         check_len("rope input", n_tokens * n_heads * head_dim, x.len())?;
-        if rope.n_rot > head_dim || rope.n_rot % 2 != 0 {
+        if rope.n_rot > head_dim || !rope.n_rot.is_multiple_of(2) {
             return Err(RuntimeError::Shape {
                 op: "rope dimensions (even, at most the head width)",
                 expected: head_dim,
@@ -300,8 +312,12 @@ impl Backend for CpuBackend {
         check_len("attention q", p.n_tokens * p.n_head * p.head_dim_k, q.len())?;
         check_len("attention k", p.n_kv * p.n_head_kv * p.head_dim_k, k.len())?;
         check_len("attention v", p.n_kv * p.n_head_kv * p.head_dim_v, v.len())?;
-        check_len("attention out", p.n_tokens * p.n_head * p.head_dim_v, out.len())?;
-        if p.n_tokens > p.n_kv || p.n_head_kv == 0 || p.n_head % p.n_head_kv != 0 {
+        check_len(
+            "attention out",
+            p.n_tokens * p.n_head * p.head_dim_v,
+            out.len(),
+        )?;
+        if p.n_tokens > p.n_kv || p.n_head_kv == 0 || !p.n_head.is_multiple_of(p.n_head_kv) {
             return Err(RuntimeError::Shape {
                 op: "attention (n_tokens <= n_kv, n_head a multiple of n_head_kv)",
                 expected: p.n_kv,
@@ -311,13 +327,14 @@ impl Backend for CpuBackend {
         let group = p.n_head / p.n_head_kv;
         let pos0 = p.n_kv - p.n_tokens;
         self.pool.install(|| {
-            out.par_chunks_mut(p.head_dim_v)
-                .enumerate()
-                .for_each_init(Vec::new, |scores, (i, o)| {
+            out.par_chunks_mut(p.head_dim_v).enumerate().for_each_init(
+                Vec::new,
+                |scores, (i, o)| {
                     let (t, h) = (i / p.n_head, i % p.n_head);
                     let qh = &q[(t * p.n_head + h) * p.head_dim_k..][..p.head_dim_k];
                     attend_one(qh, k, v, h / group, pos0 + t, p, scores, o);
-                });
+                },
+            );
         });
         Ok(())
     }
@@ -336,12 +353,7 @@ impl Backend for CpuBackend {
         }
     }
 
-    fn gated_act(
-        &self,
-        act: Activation,
-        gate: &mut [f32],
-        up: &[f32],
-    ) -> Result<(), RuntimeError> {
+    fn gated_act(&self, act: Activation, gate: &mut [f32], up: &[f32]) -> Result<(), RuntimeError> {
         check_len("gated activation", gate.len(), up.len())?;
         match act {
             Activation::Silu => gate.iter_mut().zip(up).for_each(|(g, u)| *g = silu(*g) * u),
@@ -386,7 +398,8 @@ mod tests {
         let x = [3.0f32; 8];
         let w = [0.5f32; 4];
         let mut out = [0f32; 8];
-        b.rms_norm(&x, &w, 0.0, &mut out).unwrap_or_else(|e| panic!("{e}"));
+        b.rms_norm(&x, &w, 0.0, &mut out)
+            .unwrap_or_else(|e| panic!("{e}"));
         for o in out {
             approx::assert_abs_diff_eq!(o, 0.5, epsilon = 1e-6);
         }
@@ -399,9 +412,11 @@ mod tests {
             let cfg = rope_cfg(style, 8);
             let x0: Vec<f32> = (0..16).map(|i| i as f32 * 0.1 - 0.7).collect();
             let mut x = x0.clone();
-            b.rope(&mut x, 1, 2, 8, 0, &cfg).unwrap_or_else(|e| panic!("{e}"));
+            b.rope(&mut x, 1, 2, 8, 0, &cfg)
+                .unwrap_or_else(|e| panic!("{e}"));
             assert_eq!(x, x0);
-            b.rope(&mut x, 1, 2, 8, 7, &cfg).unwrap_or_else(|e| panic!("{e}"));
+            b.rope(&mut x, 1, 2, 8, 7, &cfg)
+                .unwrap_or_else(|e| panic!("{e}"));
             let n0: f32 = x0.iter().map(|v| v * v).sum();
             let n1: f32 = x.iter().map(|v| v * v).sum();
             // A rotation keeps the norm; 1e-5 relative is f32 rounding over 16 values.
@@ -446,11 +461,13 @@ mod tests {
             window: None,
         };
         let mut out = [0f32];
-        b.attention(&q, &k, &v, &p, &mut out).unwrap_or_else(|e| panic!("{e}"));
+        b.attention(&q, &k, &v, &p, &mut out)
+            .unwrap_or_else(|e| panic!("{e}"));
         approx::assert_abs_diff_eq!(out[0], 2.5, epsilon = 1e-6);
         // Window 2 at position 5: keys 4 and 5 (llama.cpp masks p - j >= window).
         p.window = Some(2);
-        b.attention(&q, &k, &v, &p, &mut out).unwrap_or_else(|e| panic!("{e}"));
+        b.attention(&q, &k, &v, &p, &mut out)
+            .unwrap_or_else(|e| panic!("{e}"));
         approx::assert_abs_diff_eq!(out[0], 4.5, epsilon = 1e-6);
     }
 

@@ -50,7 +50,11 @@ pub enum RuntimeError {
 
 /// Check that a buffer has the length an operation expects.
 #[inline]
-pub(crate) fn check_len(op: &'static str, expected: usize, found: usize) -> Result<(), RuntimeError> {
+pub(crate) fn check_len(
+    op: &'static str,
+    expected: usize,
+    found: usize,
+) -> Result<(), RuntimeError> {
     if expected != found {
         return Err(RuntimeError::Shape {
             op,

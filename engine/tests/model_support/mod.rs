@@ -14,7 +14,9 @@ pub struct Lcg(u64);
 
 impl Lcg {
     pub fn new(seed: u64) -> Self {
-        Lcg(seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407))
+        Lcg(seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407))
     }
     pub fn next(&mut self) -> f32 {
         self.0 = self
@@ -144,7 +146,10 @@ pub fn write(spec: &Spec) -> (tempfile::TempDir, PathBuf) {
     b.key(&k("block_count"), u(spec.n_layer));
     b.key(&k("feed_forward_length"), u(N_FF));
     b.key(&k("attention.head_count"), u(N_HEAD));
-    b.key(&k("attention.layer_norm_rms_epsilon"), MetadataValue::F32(1e-6));
+    b.key(
+        &k("attention.layer_norm_rms_epsilon"),
+        MetadataValue::F32(1e-6),
+    );
     b.key(&k("rope.freq_base"), MetadataValue::F32(10_000.0));
     match spec.arch {
         Arch::Llama => {
@@ -157,7 +162,10 @@ pub fn write(spec: &Spec) -> (tempfile::TempDir, PathBuf) {
             b.key(&k("attention.head_count_kv"), u(2));
             b.key(&k("attention.key_length"), u(HEAD_DIM));
             b.key(&k("attention.value_length"), u(HEAD_DIM));
-            b.key(&k("attention.sliding_window"), u(spec.sliding_window as usize));
+            b.key(
+                &k("attention.sliding_window"),
+                u(spec.sliding_window as usize),
+            );
             b.key(&k("rope.freq_base"), MetadataValue::F32(1_000_000.0));
         }
         Arch::Deepseek2 => {
@@ -178,7 +186,13 @@ pub fn write(spec: &Spec) -> (tempfile::TempDir, PathBuf) {
         }
     }
 
-    b.tensor("token_embd.weight", &[N_EMBD, N_VOCAB], GgmlType::Q8_0, 1.0, 0.0);
+    b.tensor(
+        "token_embd.weight",
+        &[N_EMBD, N_VOCAB],
+        GgmlType::Q8_0,
+        1.0,
+        0.0,
+    );
     b.norm("output_norm.weight", N_EMBD);
     if spec.arch != Arch::Gemma3 {
         b.mat("output.weight", N_EMBD, N_VOCAB);
@@ -216,7 +230,13 @@ pub fn write(spec: &Spec) -> (tempfile::TempDir, PathBuf) {
                     b.mat(&n("ffn_up"), N_EMBD, N_FF);
                     b.mat(&n("ffn_down"), N_FF, N_EMBD);
                 } else {
-                    b.tensor(&n("ffn_gate_inp"), &[N_EMBD, N_EXPERT], GgmlType::F32, 1.0, 0.0);
+                    b.tensor(
+                        &n("ffn_gate_inp"),
+                        &[N_EMBD, N_EXPERT],
+                        GgmlType::F32,
+                        1.0,
+                        0.0,
+                    );
                     b.tensor(
                         &format!("blk.{il}.exp_probs_b.bias"),
                         &[N_EXPERT],
@@ -226,10 +246,22 @@ pub fn write(spec: &Spec) -> (tempfile::TempDir, PathBuf) {
                     );
                     let ty = spec.mat_type;
                     let s = 1.0 / (N_EMBD as f32).sqrt();
-                    b.tensor(&n("ffn_gate_exps"), &[N_EMBD, N_FF_EXP, N_EXPERT], ty, s, 0.0);
+                    b.tensor(
+                        &n("ffn_gate_exps"),
+                        &[N_EMBD, N_FF_EXP, N_EXPERT],
+                        ty,
+                        s,
+                        0.0,
+                    );
                     b.tensor(&n("ffn_up_exps"), &[N_EMBD, N_FF_EXP, N_EXPERT], ty, s, 0.0);
                     let s = 1.0 / (N_FF_EXP as f32).sqrt();
-                    b.tensor(&n("ffn_down_exps"), &[N_FF_EXP, N_EMBD, N_EXPERT], ty, s, 0.0);
+                    b.tensor(
+                        &n("ffn_down_exps"),
+                        &[N_FF_EXP, N_EMBD, N_EXPERT],
+                        ty,
+                        s,
+                        0.0,
+                    );
                     b.mat(&n("ffn_gate_shexp"), N_EMBD, N_FF_EXP);
                     b.mat(&n("ffn_up_shexp"), N_EMBD, N_FF_EXP);
                     b.mat(&n("ffn_down_shexp"), N_FF_EXP, N_EMBD);

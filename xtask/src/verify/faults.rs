@@ -24,8 +24,9 @@ struct Expectation {
 const FAULTS: &[Expectation] = &[
     // Queries rotated for position p+1: the first rotated tap is the first divergence.
     Expectation { fault: "rope-position-off-by-one", case: "llama/q8_0/*/tp1-shm/off", expect: "blk.0.q" },
-    // The attention residual of layer 0 is dropped: everything before blk.0.out is untouched.
-    Expectation { fault: "skip-residual-add", case: "llama/q8_0/*/tp1-shm/off", expect: "blk.0.out" },
+    // The attention residual of layer 0 is dropped: the FFN's norm is the first tap computed from
+    // the residual stream after the attention add.
+    Expectation { fault: "skip-residual-add", case: "llama/q8_0/*/tp1-shm/off", expect: "blk.0.ffn_norm" },
     // The two halves of the query heads swapped, as a TP loader with shards in the wrong order.
     Expectation { fault: "swapped-qk-shards", case: "llama/q8_0/*/tp1-shm/off", expect: "blk.0.q" },
     // The gemma3 fixture's window is 8 and verify feeds 32 tokens: layer 0 is local, so its
