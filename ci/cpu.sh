@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # CPU CI entry point: install what the project needs, fetch the real model, run the README's test
-# command with the `ci` nextest profile (JUnit in target/nextest/ci/junit.xml).
+# command (JUnit in target/nextest/ci/junit.xml), then the verification matrix on this machine
+# (reports and JUnit in target/verify/).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -23,3 +24,9 @@ cargo xtask fetch-model gemma3-270m
 
 log "tests: cargo nextest run --workspace (profile ci)"
 NEXTEST_PROFILE=ci cargo nextest run --workspace
+
+log "verify: the CPU matrix, fixtures and the real model"
+cargo xtask verify
+
+log "verify --faults: every injected fault detected at the expected place"
+cargo xtask verify --faults

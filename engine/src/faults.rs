@@ -30,16 +30,29 @@ pub enum Fault {
     /// The two halves of the query heads (two tensor-parallel shards) are swapped, as a loader
     /// that placed shards in the wrong order would do (first seen at `blk.0.q`).
     SwappedQkShards,
+    /// The CPU backend's Q4_K matmul reads every block's super-block scale `d` as `d × 1.0625`
+    /// (only Q4_K weights; first seen at the first tap computed by a Q4_K matmul).
+    WrongDequantScale,
+    /// Expert `e` of every MoE layer computes with expert `(e + 1) mod n`'s weights, as a loader
+    /// that laid out the 3-D expert tensors in the wrong order would (first seen at the first MoE
+    /// layer's `ffn_out`).
+    PermutedExperts,
+    /// The tokenizer omits BOS even where the model asks for it (`add_bos_token`). Both sides of
+    /// verify are fed the engine's tokens, so no tap can see it: the `bos` gate must.
+    TokenizerDropsBos,
 }
 
 impl Fault {
-    pub const ALL: [Fault; 6] = [
+    pub const ALL: [Fault; 9] = [
         Fault::RopePositionOffByOne,
         Fault::SkipResidualAdd,
         Fault::SlidingWindowOffByOne,
         Fault::NanInExpert,
         Fault::WrongRouterTopK,
         Fault::SwappedQkShards,
+        Fault::WrongDequantScale,
+        Fault::PermutedExperts,
+        Fault::TokenizerDropsBos,
     ];
 
     pub fn name(self) -> &'static str {
@@ -50,6 +63,9 @@ impl Fault {
             Fault::NanInExpert => "nan-in-expert",
             Fault::WrongRouterTopK => "wrong-router-top-k",
             Fault::SwappedQkShards => "swapped-qk-shards",
+            Fault::WrongDequantScale => "wrong-dequant-scale",
+            Fault::PermutedExperts => "permuted-experts",
+            Fault::TokenizerDropsBos => "tokenizer-drops-bos",
         }
     }
 

@@ -7,11 +7,14 @@
 //! - [`vocab`]: the fixtures' SentencePiece-style tokenizer section and the standard
 //!   teacher-forced test sequence ([`vocab::sample_tokens`]).
 //! - [`rng`]: the only randomness, splitmix64 seeded per tensor.
+//! - [`snapshot`]: golden summaries (taps, greedy continuation, top-5) of the reference on each
+//!   fixture and the real model, pinned by `tests/golden_snapshots.rs` and reviewed with
+//!   `cargo insta review` (`cargo xtask golden` regenerates them).
 //!
 //! Architecture invariants:
 //! - `golden` may use the engine's GGUF writer and the kernels' quantizers to *write* fixtures,
 //!   but the `reference` crate it checks against must never depend on either (see `reference`'s
-//!   crate docs); `reference` is only a dev-dependency here.
+//!   crate docs); `golden` depends on `reference`, never the other way round.
 //! - The engine never depends on `golden`.
 //!
 //! Tests: `tests/reference_fixtures.rs` runs the reference on every fixture (taps, finiteness,
@@ -20,6 +23,7 @@
 
 pub mod fixtures;
 pub mod rng;
+pub mod snapshot;
 pub mod vocab;
 
 pub use fixtures::{all, by_name, write, Arch, FixtureError, FixtureSpec};

@@ -62,6 +62,8 @@ pub struct ReferenceModel {
     architecture: String,
     precision: Precision,
     pieces: Vec<String>,
+    bos_token_id: Option<u32>,
+    add_bos: bool,
     arch: Arch,
 }
 
@@ -81,6 +83,19 @@ impl ReferenceModel {
         let mut file = gguf::GgufFile::open(path)?;
         let architecture = file.get_string("general.architecture")?.to_string();
         let pieces = file.token_pieces()?;
+        let bos_token_id = match file.metadata("tokenizer.ggml.bos_token_id") {
+            None => None,
+            Some(v) => Some(
+                gguf::as_u64(v)
+                    .and_then(|id| u32::try_from(id).ok())
+                    .ok_or_else(|| ReferenceError::BadKey {
+                        key: "tokenizer.ggml.bos_token_id".to_string(),
+                        expected: "an unsigned integer that fits in u32",
+                        found: format!("{v:?}"),
+                    })?,
+            ),
+        };
+        let add_bos = file.get_bool_or("tokenizer.ggml.add_bos_token", false)?;
         let mut ld = Loader {
             file: &mut file,
             dtype: precision.dtype(),
@@ -96,6 +111,8 @@ impl ReferenceModel {
             architecture,
             precision,
             pieces,
+            bos_token_id,
+            add_bos,
             arch,
         };
         if !model.pieces.is_empty() && model.pieces.len() != model.vocab_size() {
@@ -141,6 +158,18 @@ impl ReferenceModel {
             .iter()
             .position(|p| p == piece)
             .and_then(|i| u32::try_from(i).ok())
+    }
+
+    /// The BOS id the file names (`tokenizer.ggml.bos_token_id`), read here from the metadata
+    /// and not through any tokenizer.
+    pub fn bos_token_id(&self) -> Option<u32> {
+        self.bos_token_id
+    }
+
+    /// Whether the file asks for BOS in front of every sequence (`tokenizer.ggml.add_bos_token`;
+    /// `false` when the key is absent).
+    pub fn add_bos(&self) -> bool {
+        self.add_bos
     }
 
     /// Logits for every position, `[n_tokens × vocab]` row-major, emitting every tap of

@@ -2,6 +2,7 @@
 //! harness grows) fixtures, golden snapshots, comparison and verification.
 
 mod fetch_model;
+mod golden;
 mod quant_errors;
 mod verify;
 
@@ -24,6 +25,8 @@ enum Command {
     },
     /// Run the verification matrix: engine vs reference tap by tap, coherence and throughput gates
     Verify(verify::Args),
+    /// Regenerate the golden snapshots as `.snap.new` files and list the changed ones
+    Golden(golden::Args),
     /// Quantize→dequantize error of every weight type against ggml's published thresholds
     QuantErrors {
         /// Print JSON instead of a table
@@ -45,6 +48,7 @@ fn main() -> Result<()> {
             let path = fetch_model::fetch(&name)?;
             println!("{}", path.display());
         }
+        Command::Golden(args) => golden::run(args)?,
         Command::QuantErrors { json } => quant_errors::run(json)?,
         Command::Verify(args) => verify::run(args)?,
     }

@@ -27,6 +27,11 @@ fn mat<'m>(m: &'m Model, w: &'m Weight) -> MatRef<'m> {
 /// Matrix `e` of a stack of expert matrices.
 fn expert_mat<'m>(m: &'m Model, w: &'m Weight, e: usize) -> MatRef<'m> {
     let size = w.mat_bytes();
+    let e = match m.data(w).len().checked_div(size) {
+        // A loader that laid out the 3-D expert tensor in the wrong order.
+        Some(n_exp) if n_exp > 0 && faults::is_active(Fault::PermutedExperts) => (e + 1) % n_exp,
+        _ => e,
+    };
     MatRef {
         name: w.name(),
         ty: w.ty,

@@ -56,6 +56,20 @@ impl CpuBackend {
     }
 }
 
+/// The `wrong-dequant-scale` fault: a copy of Q4_K blocks whose super-block scale `d` (the
+/// block's first two bytes, an f16) reads as `d × 1.0625`, as a dequantizer that misread the
+/// scale would. Only called while that fault is active.
+fn q4k_with_wrong_scale(data: &[u8]) -> Vec<u8> {
+    const BLOCK_BYTES: usize = 144; // size_of::<BlockQ4K>()
+    let mut copy = data.to_vec();
+    for block in copy.chunks_exact_mut(BLOCK_BYTES) {
+        let d = half::f16::from_le_bytes([block[0], block[1]]);
+        let wrong = half::f16::from_f32(d.to_f32() * 1.0625);
+        block[..2].copy_from_slice(&wrong.to_le_bytes());
+    }
+    copy
+}
+
 /// ggml's RMSNorm of one row: the mean of squares summed in f64, then `x · 1/√(mean + eps)`,
 /// then times the weight (a separate multiply in ggml, kept as a separate rounding here).
 #[inline]
@@ -219,10 +233,19 @@ impl Backend for CpuBackend {
         n_tokens: usize,
         out: &mut [f32],
     ) -> Result<(), RuntimeError> {
+        let faulty;
+        let data = if crate::faults::is_active(crate::faults::Fault::WrongDequantScale)
+            && w.ty == kernels::quant::GgmlType::Q4K
+        {
+            faulty = q4k_with_wrong_scale(w.data);
+            &faulty[..]
+        } else {
+            w.data
+        };
         self.pool
             .install(|| {
                 self.kernels
-                    .matmul(w.ty, w.data, w.n_rows, w.k_dim, x, n_tokens, out)
+                    .matmul(w.ty, data, w.n_rows, w.k_dim, x, n_tokens, out)
             })
             .map_err(|source| RuntimeError::Kernel {
                 name: w.name.to_owned(),

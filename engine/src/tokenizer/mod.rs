@@ -338,7 +338,8 @@ impl Tokenizer {
     ) -> Result<Vec<u32>, TokenizerError> {
         let fragments = self.partition(text, parse_special);
         let mut out = Vec::with_capacity(text.len() / 3 + 2);
-        if add_special && self.add_bos {
+        let drop_bos = crate::faults::is_active(crate::faults::Fault::TokenizerDropsBos);
+        if add_special && self.add_bos && !drop_bos {
             out.push(
                 self.bos
                     .ok_or(TokenizerError::MissingSpecial { which: "BOS" })?,

@@ -36,6 +36,16 @@ const FAULTS: &[Expectation] = &[
     // correctly, the expert mix is not.
     Expectation { fault: "nan-in-expert", case: "deepseek2/q4_k/*/tp1-shm/off", expect: "blk.1.ffn_out" },
     Expectation { fault: "wrong-router-top-k", case: "deepseek2/q4_k/*/tp1-shm/off", expect: "blk.1.ffn_out" },
+    // Every expert computes with its neighbour's weights; the router is right, so the first MoE
+    // layer's mix (layer 0 is dense) is the first tap to differ.
+    Expectation { fault: "permuted-experts", case: "deepseek2/q4_k/*/tp1-shm/off", expect: "blk.1.ffn_out" },
+    // Q4_K super-block scales read 1.0625x too large. In llama-q4_k_m, token_embd is Q4_K too, but
+    // embedding rows are dequantized by a lookup, not a matmul; attn_q is the first Q4_K matmul of
+    // layer 0 (the norm before it has no weights of that type), so `blk.0.q` is the first tap.
+    Expectation { fault: "wrong-dequant-scale", case: "llama/q4_k_m/*/tp1-shm/off", expect: "blk.0.q" },
+    // Both sides get the engine's tokens, so the taps agree; only the `bos` gate, which checks the
+    // fed sequences against the BOS id the reference read from the file, can see it.
+    Expectation { fault: "tokenizer-drops-bos", case: "llama/q8_0/*/tp1-shm/off", expect: "gate:bos" },
 ];
 
 struct Outcome {

@@ -56,6 +56,9 @@ pub struct ReferenceRun {
     pub n_vocab: usize,
     pub greedy: Vec<u32>,
     pub prompt: Vec<u32>,
+    /// `Some(id)` when the file's metadata asks for BOS (`add_bos_token`) and names it, read by
+    /// the reference, not by the engine's tokenizer; `None` when the file does not ask for BOS.
+    pub bos: Option<Option<u32>>,
 }
 
 /// Reference runs by model file, computed on first use.
@@ -102,7 +105,8 @@ fn reference_run(path: &Path, tokenizer: &Tokenizer, budget: Budget) -> Result<R
         greedy.push(next);
         seq.push(next);
     }
-    Ok(ReferenceRun { tokens, taps, logits, n_vocab, greedy, prompt })
+    let bos = model.add_bos().then(|| model.bos_token_id());
+    Ok(ReferenceRun { tokens, taps, logits, n_vocab, greedy, prompt, bos })
 }
 
 pub fn isa_of(backend: Backend) -> Option<Isa> {
@@ -170,6 +174,12 @@ pub fn run(case: &Case, env: &CaseEnv, refs: &mut ReferenceCache) -> Result<(Cas
         thresholds.ppl_ratio_tolerance = thresholds.ppl_ratio_tolerance.max(0.05);
     }
     gates.extend(stats.gates(&thresholds));
+    if let Some(bos) = reference.bos {
+        // Both sides are fed the engine tokenizer's ids, so no tap can see a tokenizer that drops
+        // BOS: check the sequences actually fed (the text and the greedy prompt, the very vectors
+        // passed to both forwards) against the BOS the reference read from the file.
+        gates.push(bos_gate(bos, &[("text", &reference.tokens), ("prompt", &reference.prompt)]));
+    }
 
     // Greedy continuation: equal to the reference's for the first tokens, and not degenerate.
     let (generated, gen_logits) = greedy(&model, &backend, &reference.prompt, budget.n_generate)?;
@@ -209,6 +219,25 @@ pub fn run(case: &Case, env: &CaseEnv, refs: &mut ReferenceCache) -> Result<(Cas
         .with_tolerances(env.policy.table(n_layers, &ctx))
         .with_duration(started.elapsed().as_secs_f64());
     Ok((result, measured))
+}
+
+/// The `bos` gate: every fed sequence starts with `bos`, the id the file's metadata names (a file
+/// that asks for BOS but names none fails). The value is the number of sequences that do not.
+fn bos_gate(bos: Option<u32>, fed: &[(&str, &[u32])]) -> GateResult {
+    let wrong: Vec<String> = fed
+        .iter()
+        .filter(|(_, seq)| bos.is_none() || seq.first().copied() != bos)
+        .map(|(what, seq)| match seq.first() {
+            Some(id) => format!("{what} starts with {id}"),
+            None => format!("{what} is empty"),
+        })
+        .collect();
+    let detail = match bos {
+        None => "the file asks for BOS (add_bos_token) but names no bos_token_id".to_owned(),
+        Some(id) if wrong.is_empty() => format!("every fed sequence starts with BOS {id}"),
+        Some(id) => format!("expected BOS {id} first (add_bos_token): {}", wrong.join(", ")),
+    };
+    GateResult::at_most("bos", wrong.len() as f64, 0.0, detail)
 }
 
 /// Greedy decoding through the KV cache; returns the new ids and their logits rows.
@@ -253,4 +282,30 @@ fn bench(model: &Model, backend: &CpuBackend, tokens: &[u32], budget: Budget) ->
         prefill_tps: throughput::median(&prefill).unwrap_or(0.0),
         decode_tps: throughput::median(&decode).unwrap_or(0.0),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::bos_gate;
+
+    fn check(bos: Option<u32>, fed: &[(&str, &[u32])], passed: bool, value: f64) {
+        let g = bos_gate(bos, fed);
+        assert_eq!((g.gate, g.passed, g.value), ("bos", passed, value), "{}", g.detail);
+    }
+
+    #[test]
+    fn bos_first_everywhere_passes() {
+        check(Some(1), &[("text", &[1, 5, 6]), ("prompt", &[1, 7])], true, 0.0);
+    }
+
+    #[test]
+    fn dropped_bos_fails_per_sequence() {
+        check(Some(1), &[("text", &[5, 6]), ("prompt", &[1, 7])], false, 1.0);
+        check(Some(1), &[("text", &[5, 6]), ("prompt", &[])], false, 2.0);
+    }
+
+    #[test]
+    fn bos_asked_but_unnamed_fails() {
+        check(None, &[("text", &[1, 5])], false, 1.0);
+    }
 }
