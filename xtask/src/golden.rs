@@ -22,7 +22,9 @@ pub struct Args {
 const TEST: &str = "golden_snapshots";
 
 fn snapshots_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../golden/tests/snapshots")
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../golden/tests/snapshots");
+    // Only for a tidier path in messages; the joined path works as well.
+    dir.canonicalize().unwrap_or(dir)
 }
 
 /// The pending `*.snap.new` files in `dir`, sorted.
