@@ -24,9 +24,14 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> Result<()> {
-    let gguf = Gguf::open(&args.file).with_context(|| format!("opening {}", args.file.display()))?;
+    let gguf =
+        Gguf::open(&args.file).with_context(|| format!("opening {}", args.file.display()))?;
     let Some(info) = gguf.tensor(&args.tensor) else {
-        bail!("{} has no tensor named {:?}", args.file.display(), args.tensor);
+        bail!(
+            "{} has no tensor named {:?}",
+            args.file.display(),
+            args.tensor
+        );
     };
     if !info.ggml_type.is_supported() {
         bail!(
@@ -39,7 +44,10 @@ pub fn run(args: Args) -> Result<()> {
     let mut values = vec![0f32; n];
     kernels::quant::dequantize(info.ggml_type, gguf.tensor_data(info), &mut values)
         .with_context(|| format!("dequantizing {} ({})", info.name, info.ggml_type))?;
-    let is_npy = args.out.extension().is_some_and(|e| e.eq_ignore_ascii_case("npy"));
+    let is_npy = args
+        .out
+        .extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("npy"));
     write(&args.out, &values, is_npy.then_some(&info.dims[..]))
         .with_context(|| format!("writing {}", args.out.display()))?;
     eprintln!(

@@ -24,7 +24,8 @@ pub struct Args {
 const ARRAY_PREVIEW: usize = 8;
 
 pub fn run(args: Args) -> Result<()> {
-    let gguf = Gguf::open(&args.file).with_context(|| format!("opening {}", args.file.display()))?;
+    let gguf =
+        Gguf::open(&args.file).with_context(|| format!("opening {}", args.file.display()))?;
     let out = if args.json {
         serde_json::to_string_pretty(&to_json(&gguf))? + "\n"
     } else {
@@ -54,7 +55,12 @@ fn to_text(gguf: &Gguf) -> String {
     }
 
     let tensors = gguf.tensors();
-    let name_w = tensors.iter().map(|t| t.name.len()).max().unwrap_or(4).max(4);
+    let name_w = tensors
+        .iter()
+        .map(|t| t.name.len())
+        .max()
+        .unwrap_or(4)
+        .max(4);
     let _ = writeln!(s, "\ntensors ({}):", tensors.len());
     let _ = writeln!(
         s,
@@ -75,7 +81,11 @@ fn to_text(gguf: &Gguf) -> String {
     }
 
     let _ = writeln!(s, "\ntotals by type:");
-    let _ = writeln!(s, "  {:<8}  {:>7}  {:>14}  {:>14}  {:>6}", "type", "tensors", "elements", "bytes", "bpw");
+    let _ = writeln!(
+        s,
+        "  {:<8}  {:>7}  {:>14}  {:>14}  {:>6}",
+        "type", "tensors", "elements", "bytes", "bpw"
+    );
     let totals = totals(tensors);
     let (mut n, mut e, mut b) = (0usize, 0u64, 0u64);
     for (ty, t) in &totals {
@@ -92,7 +102,15 @@ fn to_text(gguf: &Gguf) -> String {
         e += t.elements;
         b += t.bytes;
     }
-    let _ = writeln!(s, "  {:<8}  {:>7}  {:>14}  {:>14}  {:>6.2}", "all", n, e, b, bits_per_weight(b, e));
+    let _ = writeln!(
+        s,
+        "  {:<8}  {:>7}  {:>14}  {:>14}  {:>6.2}",
+        "all",
+        n,
+        e,
+        b,
+        bits_per_weight(b, e)
+    );
 
     let unsupported: Vec<_> = totals.keys().filter(|t| !t.is_supported()).collect();
     if unsupported.is_empty() {
@@ -181,7 +199,12 @@ fn summarize(v: &MetadataValue) -> String {
     match v {
         MetadataValue::Array(items) if items.len() > ARRAY_PREVIEW => {
             let head: Vec<String> = items[..ARRAY_PREVIEW].iter().map(summarize).collect();
-            format!("[{} × {}] [{}, ...]", items.len(), type_name(&items[0]), head.join(", "))
+            format!(
+                "[{} × {}] [{}, ...]",
+                items.len(),
+                type_name(&items[0]),
+                head.join(", ")
+            )
         }
         MetadataValue::Array(items) => {
             let all: Vec<String> = items.iter().map(summarize).collect();

@@ -11,7 +11,11 @@ mod perplexity;
 mod tokenize;
 
 #[derive(Parser)]
-#[command(name = "plumbline", version, about = "LLM inference engine and verification harness")]
+#[command(
+    name = "plumbline",
+    version,
+    about = "LLM inference engine and verification harness"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

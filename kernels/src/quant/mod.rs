@@ -151,7 +151,7 @@ pub(crate) fn nearest_int(fval: f32) -> i32 {
 /// Reinterpret bytes as blocks: borrowed when aligned, copied when not.
 pub fn as_blocks<B: bytemuck::Pod>(bytes: &[u8]) -> Result<Cow<'_, [B]>, QuantError> {
     let size = std::mem::size_of::<B>();
-    if size == 0 || bytes.len() % size != 0 {
+    if size == 0 || !bytes.len().is_multiple_of(size) {
         return Err(QuantError::NotWholeStructs {
             block_bytes: size,
             found: bytes.len(),
@@ -170,7 +170,7 @@ pub fn as_blocks<B: bytemuck::Pod>(bytes: &[u8]) -> Result<Cow<'_, [B]>, QuantEr
 /// Check the byte-level lengths for dequantizing `src_len` bytes of `ty` into `dst_len` floats.
 fn check_dequant_lengths(ty: GgmlType, src_len: usize, dst_len: usize) -> Result<(), QuantError> {
     let ts = ty.type_size();
-    if src_len % ts != 0 {
+    if !src_len.is_multiple_of(ts) {
         return Err(QuantError::NotWholeBlocks {
             ty,
             unit: "bytes",
@@ -247,7 +247,7 @@ pub fn quantize_into(ty: GgmlType, src: &[f32], dst: &mut [u8]) -> Result<(), Qu
         return Err(QuantError::UnsupportedType(ty));
     }
     let bs = ty.block_size();
-    if src.len() % bs != 0 {
+    if !src.len().is_multiple_of(bs) {
         return Err(QuantError::NotWholeBlocks {
             ty,
             unit: "elements",
@@ -300,7 +300,7 @@ pub fn quantize(ty: GgmlType, src: &[f32]) -> Result<Vec<u8>, QuantError> {
         return Err(QuantError::UnsupportedType(ty));
     }
     let bs = ty.block_size();
-    if src.len() % bs != 0 {
+    if !src.len().is_multiple_of(bs) {
         return Err(QuantError::NotWholeBlocks {
             ty,
             unit: "elements",

@@ -68,7 +68,11 @@ fn machine_caps() -> MachineCaps {
         avx512: isas.contains(&Isa::Avx512),
         cuda_archs: Vec::new(),
         nvlink: false,
-        engine: EngineCaps { cuda: false, tensor_parallel: false, speculative: false },
+        engine: EngineCaps {
+            cuda: false,
+            tensor_parallel: false,
+            speculative: false,
+        },
         models_missing: Default::default(),
     }
 }
@@ -82,16 +86,26 @@ pub fn verify(args: &Args) -> Result<Report> {
     if cases.is_empty() {
         bail!("no case matches the filters");
     }
-    let threads = args.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let threads = args
+        .threads
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
     let policy = TolerancePolicy::default();
     let baselines_path = PathBuf::from(BASELINES_PATH);
     let mut baselines = Baselines::load(&baselines_path)?;
-    let runnable = cases.iter().filter(|c| c.skip_reason(&machine).is_none()).count();
+    let runnable = cases
+        .iter()
+        .filter(|c| c.skip_reason(&machine).is_none())
+        .count();
     let bandwidth = if args.no_bench || runnable == 0 {
         None
     } else {
         let bw = throughput::measure_memory_bandwidth()?;
-        eprintln!("memory bandwidth: {:.1} GB/s (median of {} passes over {} MiB)", bw.gb_per_s(), bw.passes, bw.buffer_bytes >> 20);
+        eprintln!(
+            "memory bandwidth: {:.1} GB/s (median of {} passes over {} MiB)",
+            bw.gb_per_s(),
+            bw.passes,
+            bw.buffer_bytes >> 20
+        );
         Some(bw)
     };
 
@@ -105,7 +119,10 @@ pub fn verify(args: &Args) -> Result<Report> {
             continue;
         }
         eprintln!("[{}/{}] {name}", i + 1, cases.len());
-        let Some(path) = models.paths.get(&(case.model.clone(), case.weights.clone())) else {
+        let Some(path) = models
+            .paths
+            .get(&(case.model.clone(), case.weights.clone()))
+        else {
             report.push(CaseResult::error(&name, "no model file for this case"));
             continue;
         };
@@ -137,13 +154,21 @@ pub fn verify(args: &Args) -> Result<Report> {
     let written = report.write_all(&args.out).context("writing the reports")?;
     if updated {
         baselines.save(&baselines_path)?;
-        eprintln!("updated {} (review the change before committing)", baselines_path.display());
+        eprintln!(
+            "updated {} (review the change before committing)",
+            baselines_path.display()
+        );
     }
     if args.json {
         println!("{}", report.to_json()?);
     } else {
         print!("{}", harness::report::console_table(&report));
-        println!("reports: {}, {}, {}", written.markdown.display(), written.json.display(), written.junit.display());
+        println!(
+            "reports: {}, {}, {}",
+            written.markdown.display(),
+            written.json.display(),
+            written.junit.display()
+        );
         println!("{:.0} s", started.elapsed().as_secs_f64());
     }
     Ok(report)

@@ -40,7 +40,10 @@ pub fn discover(dir: &Path) -> Result<Models> {
             .with_context(|| format!("fixture name {} does not end in a weight type", spec.name))?;
         let path = golden::fixtures::write(&spec, dir)
             .with_context(|| format!("writing fixture {}", spec.name))?;
-        by_model.entry(model.to_owned()).or_default().push(weights.to_owned());
+        by_model
+            .entry(model.to_owned())
+            .or_default()
+            .push(weights.to_owned());
         paths.insert((model.to_owned(), weights.to_owned()), path);
     }
     let mut entries: Vec<ModelEntry> = by_model
@@ -57,7 +60,11 @@ pub fn discover(dir: &Path) -> Result<Models> {
         })
         .collect();
     let real = fetch_model::cached_path(REAL_MODEL)?;
-    entries.push(ModelEntry::real(REAL_MODEL, &[REAL_WEIGHTS], real.is_some()));
+    entries.push(ModelEntry::real(
+        REAL_MODEL,
+        &[REAL_WEIGHTS],
+        real.is_some(),
+    ));
     if let Some(path) = real {
         paths.insert((REAL_MODEL.to_owned(), REAL_WEIGHTS.to_owned()), path);
     }
@@ -71,9 +78,18 @@ mod tests {
     #[test]
     fn fixture_names_split_into_model_and_weights() {
         assert_eq!(split_fixture_name("llama-q4_0"), Some(("llama", "q4_0")));
-        assert_eq!(split_fixture_name("llama-q4_k_m"), Some(("llama", "q4_k_m")));
-        assert_eq!(split_fixture_name("llama-mix-all"), Some(("llama", "mix-all")));
-        assert_eq!(split_fixture_name("deepseek2-lite-q8_0"), Some(("deepseek2-lite", "q8_0")));
+        assert_eq!(
+            split_fixture_name("llama-q4_k_m"),
+            Some(("llama", "q4_k_m"))
+        );
+        assert_eq!(
+            split_fixture_name("llama-mix-all"),
+            Some(("llama", "mix-all"))
+        );
+        assert_eq!(
+            split_fixture_name("deepseek2-lite-q8_0"),
+            Some(("deepseek2-lite", "q8_0"))
+        );
         assert_eq!(split_fixture_name("gemma3"), None);
     }
 }

@@ -41,9 +41,19 @@ pub struct Budget {
 impl Budget {
     pub fn for_model(real: bool) -> Budget {
         if real {
-            Budget { n_text: 64, n_greedy: 8, n_generate: 32, bench_runs: 3 }
+            Budget {
+                n_text: 64,
+                n_greedy: 8,
+                n_generate: 32,
+                bench_runs: 3,
+            }
         } else {
-            Budget { n_text: 32, n_greedy: 4, n_generate: 32, bench_runs: 3 }
+            Budget {
+                n_text: 32,
+                n_greedy: 4,
+                n_generate: 32,
+                bench_runs: 3,
+            }
         }
     }
 }
@@ -66,19 +76,32 @@ pub struct ReferenceRun {
 pub struct ReferenceCache(HashMap<PathBuf, ReferenceRun>);
 
 impl ReferenceCache {
-    pub fn get(&mut self, path: &Path, tokenizer: &Tokenizer, budget: Budget) -> Result<&ReferenceRun> {
+    pub fn get(
+        &mut self,
+        path: &Path,
+        tokenizer: &Tokenizer,
+        budget: Budget,
+    ) -> Result<&ReferenceRun> {
         if !self.0.contains_key(path) {
             let run = reference_run(path, tokenizer, budget)?;
             self.0.insert(path.to_owned(), run);
         }
-        self.0.get(path).ok_or_else(|| anyhow!("reference run for {} vanished", path.display()))
+        self.0
+            .get(path)
+            .ok_or_else(|| anyhow!("reference run for {} vanished", path.display()))
     }
 }
 
 fn text_tokens(tokenizer: &Tokenizer, n: usize) -> Result<Vec<u32>> {
-    let mut tokens = tokenizer.encode(TEXT, true, false).context("tokenizing the fixed text")?;
+    let mut tokens = tokenizer
+        .encode(TEXT, true, false)
+        .context("tokenizing the fixed text")?;
     tokens.truncate(n);
-    anyhow::ensure!(tokens.len() >= 2, "the fixed text tokenizes to {} tokens, need at least 2", tokens.len());
+    anyhow::ensure!(
+        tokens.len() >= 2,
+        "the fixed text tokenizes to {} tokens, need at least 2",
+        tokens.len()
+    );
     Ok(tokens)
 }
 
@@ -93,20 +116,34 @@ fn reference_run(path: &Path, tokenizer: &Tokenizer, budget: Budget) -> Result<R
     let tokens = text_tokens(tokenizer, budget.n_text)?;
     let mut taps = Vec::new();
     let logits = model
-        .forward(&tokens, &mut |name, shape, data| taps.push(Tap::new(name, shape.to_vec(), data.to_vec())))
+        .forward(&tokens, &mut |name, shape, data| {
+            taps.push(Tap::new(name, shape.to_vec(), data.to_vec()))
+        })
         .context("reference forward pass")?;
     // Greedy continuation without a KV cache: one full forward per new token (slow, obvious).
-    let prompt = tokenizer.encode(PROMPT, true, false).context("tokenizing the prompt")?;
+    let prompt = tokenizer
+        .encode(PROMPT, true, false)
+        .context("tokenizing the prompt")?;
     let mut seq = prompt.clone();
     let mut greedy = Vec::new();
     for _ in 0..budget.n_greedy {
-        let logits = model.forward(&seq, &mut |_, _, _| {}).context("reference greedy step")?;
+        let logits = model
+            .forward(&seq, &mut |_, _, _| {})
+            .context("reference greedy step")?;
         let next = argmax(&logits[logits.len() - n_vocab..]);
         greedy.push(next);
         seq.push(next);
     }
     let bos = model.add_bos().then(|| model.bos_token_id());
-    Ok(ReferenceRun { tokens, taps, logits, n_vocab, greedy, prompt, bos })
+    Ok(ReferenceRun {
+        tokens,
+        taps,
+        logits,
+        n_vocab,
+        greedy,
+        prompt,
+        bos,
+    })
 }
 
 pub fn isa_of(backend: Backend) -> Option<Isa> {
@@ -130,11 +167,16 @@ pub struct CaseEnv<'a> {
 
 /// Run one case; `Ok` carries the judged result (passed or failed), `Err` an error that kept the
 /// case from being judged at all.
-pub fn run(case: &Case, env: &CaseEnv, refs: &mut ReferenceCache) -> Result<(CaseResult, Option<Baseline>)> {
+pub fn run(
+    case: &Case,
+    env: &CaseEnv,
+    refs: &mut ReferenceCache,
+) -> Result<(CaseResult, Option<Baseline>)> {
     let started = Instant::now();
     let name = case.name();
     let ctx = case.context()?;
-    let isa = isa_of(case.backend).ok_or_else(|| anyhow!("{} is not a CPU backend", case.backend))?;
+    let isa =
+        isa_of(case.backend).ok_or_else(|| anyhow!("{} is not a CPU backend", case.backend))?;
     let model = Model::load(env.path).with_context(|| format!("loading {}", env.path.display()))?;
     let tokenizer = Tokenizer::from_gguf(model.gguf()).context("loading the tokenizer")?;
     let backend = CpuBackend::new(Some(isa), Some(env.threads))?;
@@ -149,9 +191,14 @@ pub fn run(case: &Case, env: &CaseEnv, refs: &mut ReferenceCache) -> Result<(Cas
     let logits = session
         .forward(&reference.tokens, Some(&mut recorder))
         .context("engine forward pass")?;
-    let engine_taps: Vec<Tap> = recorder.taps.into_iter().map(|t| Tap::new(t.name, t.shape, t.data)).collect();
+    let engine_taps: Vec<Tap> = recorder
+        .taps
+        .into_iter()
+        .map(|t| Tap::new(t.name, t.shape, t.data))
+        .collect();
     let n_layers = model.config().n_layer;
-    let comparison = harness::compare::compare_taps(&engine_taps, &reference.taps, env.policy, &ctx);
+    let comparison =
+        harness::compare::compare_taps(&engine_taps, &reference.taps, env.policy, &ctx);
 
     let mut gates: Vec<GateResult> = Vec::new();
     // Logit agreement over the text: position t predicts token t+1.
@@ -178,16 +225,28 @@ pub fn run(case: &Case, env: &CaseEnv, refs: &mut ReferenceCache) -> Result<(Cas
         // Both sides are fed the engine tokenizer's ids, so no tap can see a tokenizer that drops
         // BOS: check the sequences actually fed (the text and the greedy prompt, the very vectors
         // passed to both forwards) against the BOS the reference read from the file.
-        gates.push(bos_gate(bos, &[("text", &reference.tokens), ("prompt", &reference.prompt)]));
+        gates.push(bos_gate(
+            bos,
+            &[("text", &reference.tokens), ("prompt", &reference.prompt)],
+        ));
     }
 
     // Greedy continuation: equal to the reference's for the first tokens, and not degenerate.
     let (generated, gen_logits) = greedy(&model, &backend, &reference.prompt, budget.n_generate)?;
-    gates.push(coherence::greedy_prefix(&generated, &reference.greedy, budget.n_greedy));
+    gates.push(coherence::greedy_prefix(
+        &generated,
+        &reference.greedy,
+        budget.n_greedy,
+    ));
     if env.real {
         // Fixtures have random weights: their output is noise by construction, so only the real
         // model is judged for degeneracy.
-        gates.extend(coherence::detect_degeneracy(&generated, &gen_logits, n_vocab, &DegeneracyParams::default())?);
+        gates.extend(coherence::detect_degeneracy(
+            &generated,
+            &gen_logits,
+            n_vocab,
+            &DegeneracyParams::default(),
+        )?);
     }
 
     let mut figures = vec![
@@ -195,7 +254,12 @@ pub fn run(case: &Case, env: &CaseEnv, refs: &mut ReferenceCache) -> Result<(Cas
         Figure::new("same_top1", stats.same_top1_rate, ""),
         Figure::new("ppl_ratio", stats.ppl_ratio, ""),
     ];
-    if let Some(first) = comparison.taps.iter().map(|t| t.metrics.nmse).reduce(f64::max) {
+    if let Some(first) = comparison
+        .taps
+        .iter()
+        .map(|t| t.metrics.nmse)
+        .reduce(f64::max)
+    {
         figures.push(Figure::new("max_nmse", first, ""));
     }
 
@@ -206,11 +270,19 @@ pub fn run(case: &Case, env: &CaseEnv, refs: &mut ReferenceCache) -> Result<(Cas
         figures.push(Figure::new("decode_tps", m.decode_tps, "tok/s"));
         if let Some(bw) = env.bandwidth {
             let bytes: u64 = model.gguf().tensors().iter().map(|t| t.n_bytes).sum();
-            let roofline = throughput::roofline_fraction(bytes as f64, bw.bytes_per_s, 1.0 / m.decode_tps)
-                .unwrap_or(0.0);
+            let roofline =
+                throughput::roofline_fraction(bytes as f64, bw.bytes_per_s, 1.0 / m.decode_tps)
+                    .unwrap_or(0.0);
             figures.push(Figure::new("roofline", roofline, ""));
-            let measured_b = Baseline { prefill_tps: m.prefill_tps, decode_tps: m.decode_tps, roofline };
-            gates.extend(env.baselines.gates(&name, &measured_b, throughput::DEFAULT_NOISE_MARGIN));
+            let measured_b = Baseline {
+                prefill_tps: m.prefill_tps,
+                decode_tps: m.decode_tps,
+                roofline,
+            };
+            gates.extend(
+                env.baselines
+                    .gates(&name, &measured_b, throughput::DEFAULT_NOISE_MARGIN),
+            );
             measured = Some(measured_b);
         }
     }
@@ -235,13 +307,21 @@ fn bos_gate(bos: Option<u32>, fed: &[(&str, &[u32])]) -> GateResult {
     let detail = match bos {
         None => "the file asks for BOS (add_bos_token) but names no bos_token_id".to_owned(),
         Some(id) if wrong.is_empty() => format!("every fed sequence starts with BOS {id}"),
-        Some(id) => format!("expected BOS {id} first (add_bos_token): {}", wrong.join(", ")),
+        Some(id) => format!(
+            "expected BOS {id} first (add_bos_token): {}",
+            wrong.join(", ")
+        ),
     };
     GateResult::at_most("bos", wrong.len() as f64, 0.0, detail)
 }
 
 /// Greedy decoding through the KV cache; returns the new ids and their logits rows.
-fn greedy(model: &Model, backend: &CpuBackend, prompt: &[u32], n: usize) -> Result<(Vec<u32>, Vec<f32>)> {
+fn greedy(
+    model: &Model,
+    backend: &CpuBackend,
+    prompt: &[u32],
+    n: usize,
+) -> Result<(Vec<u32>, Vec<f32>)> {
     let mut session = Session::new(model, backend, prompt.len() + n + 1);
     let mut logits = session.forward(prompt, None).context("engine prefill")?;
     let mut ids = Vec::with_capacity(n);
@@ -251,7 +331,9 @@ fn greedy(model: &Model, backend: &CpuBackend, prompt: &[u32], n: usize) -> Resu
         let next = argmax(row);
         rows.extend_from_slice(row);
         ids.push(next);
-        logits = session.forward(&[next], None).context("engine decode step")?;
+        logits = session
+            .forward(&[next], None)
+            .context("engine decode step")?;
     }
     Ok((ids, rows))
 }
@@ -290,17 +372,32 @@ mod tests {
 
     fn check(bos: Option<u32>, fed: &[(&str, &[u32])], passed: bool, value: f64) {
         let g = bos_gate(bos, fed);
-        assert_eq!((g.gate, g.passed, g.value), ("bos", passed, value), "{}", g.detail);
+        assert_eq!(
+            (g.gate, g.passed, g.value),
+            ("bos", passed, value),
+            "{}",
+            g.detail
+        );
     }
 
     #[test]
     fn bos_first_everywhere_passes() {
-        check(Some(1), &[("text", &[1, 5, 6]), ("prompt", &[1, 7])], true, 0.0);
+        check(
+            Some(1),
+            &[("text", &[1, 5, 6]), ("prompt", &[1, 7])],
+            true,
+            0.0,
+        );
     }
 
     #[test]
     fn dropped_bos_fails_per_sequence() {
-        check(Some(1), &[("text", &[5, 6]), ("prompt", &[1, 7])], false, 1.0);
+        check(
+            Some(1),
+            &[("text", &[5, 6]), ("prompt", &[1, 7])],
+            false,
+            1.0,
+        );
         check(Some(1), &[("text", &[5, 6]), ("prompt", &[])], false, 2.0);
     }
 
