@@ -1,6 +1,7 @@
 //! `cargo xtask`: project automation — fetching real models, quantization accuracy, and (as the
 //! harness grows) fixtures, golden snapshots, comparison and verification.
 
+mod compare;
 mod fetch_model;
 mod golden;
 mod quant_errors;
@@ -23,6 +24,8 @@ enum Command {
         /// Model name (known: gemma3-270m)
         name: String,
     },
+    /// Engine against reference on one prompt, tap by tap, first divergence marked
+    Compare(compare::Args),
     /// Run the verification matrix: engine vs reference tap by tap, coherence and throughput gates
     Verify(verify::Args),
     /// Regenerate the golden snapshots as `.snap.new` files and list the changed ones
@@ -51,6 +54,7 @@ fn main() -> Result<()> {
         Command::Golden(args) => golden::run(args)?,
         Command::QuantErrors { json } => quant_errors::run(json)?,
         Command::Verify(args) => verify::run(args)?,
+        Command::Compare(args) => compare::run(args)?,
     }
     Ok(())
 }
