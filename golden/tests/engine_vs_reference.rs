@@ -1,15 +1,78 @@
-//! Engine against reference on every fixture: the place for it.
-//!
-//! When the engine's forward pass (`engine::model`, `engine::runtime`) can run a fixture with a tap
-//! observer attached, the tests here do, for every `golden::fixtures::all()` fixture and every
-//! backend this machine has:
-//!
-//! 1. write the fixture (`golden::fixtures::write`) to a temp dir;
-//! 2. run `reference::ReferenceModel` (f64) and the engine on `golden::vocab::sample_tokens()`,
-//!    teacher-forced, collecting every tap of docs/TAPS.md from both;
-//! 3. compare tap by tap in forward order with `harness`'s tolerance policy (keyed by tap kind and
-//!    weight type), and report the first divergent tap by name;
-//! 4. check greedy agreement of the logits and NaN/Inf parity.
-//!
-//! The reference side is ready (see `tests/reference_fixtures.rs` for how it is driven); the engine
-//! side is written by whoever lands the engine's forward pass.
+//! Engine against reference on every fixture, on every CPU backend this machine has: the same
+//! tokens (teacher-forced), every tap of docs/TAPS.md compared in forward order with `harness`'s
+//! tolerance policy, and the first tap past tolerance named in the failure. `cargo xtask verify`
+//! runs the same comparison as a matrix with gates and reports; this is its test-suite twin.
+
+use engine::model::Model;
+use engine::runtime::{CpuBackend, Session};
+use engine::taps::TapRecorder;
+use harness::tap::Tap;
+use harness::tolerance::{CaseContext, TolerancePolicy};
+use kernels::cpu::Isa;
+use reference::{Precision, ReferenceModel};
+
+/// The fixture's weight spec as named in case names: what follows the architecture in its name.
+fn weights_of(name: &str) -> &str {
+    name.match_indices('-')
+        .map(|(i, _)| &name[i + 1..])
+        .find(|w| harness::tolerance::WeightClass::parse(w).is_ok() || w.starts_with("mix"))
+        .unwrap_or("q4_0")
+}
+
+fn check(spec: &golden::fixtures::FixtureSpec) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = golden::fixtures::write(spec, dir.path()).expect("fixture written");
+    let tokens = golden::vocab::sample_tokens();
+
+    let reference =
+        ReferenceModel::load(&path, Precision::F32).expect("reference loads the fixture");
+    let mut ref_taps = Vec::new();
+    let ref_logits = reference
+        .forward(&tokens, &mut |n, s, d| {
+            ref_taps.push(Tap::new(n, s.to_vec(), d.to_vec()))
+        })
+        .expect("reference forward");
+
+    let model = Model::load(&path).expect("engine loads the fixture");
+    for isa in Isa::available() {
+        let backend = CpuBackend::new(Some(isa), Some(2)).expect("backend");
+        let mut recorder = TapRecorder::new();
+        let mut session = Session::new(&model, &backend, tokens.len());
+        session.set_logits_all(true);
+        let logits = session
+            .forward(&tokens, Some(&mut recorder))
+            .expect("engine forward");
+        let eng_taps: Vec<Tap> = recorder
+            .taps
+            .into_iter()
+            .map(|t| Tap::new(t.name, t.shape, t.data))
+            .collect();
+        let ctx = CaseContext::new(weights_of(spec.name), &format!("cpu-{}", isa.name()))
+            .expect("context");
+        let cmp =
+            harness::compare::compare_taps(&eng_taps, &ref_taps, &TolerancePolicy::default(), &ctx);
+        assert!(
+            cmp.first_divergence.is_none(),
+            "{} on cpu-{}: first divergence {:?}",
+            spec.name,
+            isa.name(),
+            cmp.first_divergence.as_ref().map(|d| d.finding.to_string())
+        );
+        assert_eq!(
+            cmp.taps.len(),
+            ref_taps.len(),
+            "{}: every reference tap compared",
+            spec.name
+        );
+        assert_eq!(logits.data.len(), ref_logits.len());
+    }
+}
+
+#[test]
+fn engine_matches_reference_on_every_fixture() {
+    let specs = golden::fixtures::all();
+    assert!(specs.len() >= 8, "every architecture has fixtures");
+    for spec in &specs {
+        check(spec);
+    }
+}
