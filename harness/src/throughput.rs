@@ -210,10 +210,15 @@ impl Baselines {
         self.0.get(case)
     }
 
-    /// Gates `prefill_tps`, `decode_tps`, `roofline`: each fails when the measured figure is below
+    /// Gates `prefill_tps` and `decode_tps`: each fails when the measured figure is below
     /// `baseline × (1 − margin)`. With no baseline for `case` every gate passes and says so.
+    ///
+    /// The roofline fraction is recorded but not gated: its denominator is the bandwidth measured
+    /// in the same run, which on a shared 2-core VM read 8.0 and 10.4 GB/s in two runs an hour
+    /// apart, so a lower fraction can mean a faster memory reading rather than a slower engine
+    /// (seen in CI: decode 37.3 tok/s against a baseline of 34.8, roofline −33%).
     pub fn gates(&self, case: &str, measured: &Baseline, margin: f64) -> Vec<GateResult> {
-        let figures: [(&'static str, f64, Option<f64>); 3] = {
+        let figures: [(&'static str, f64, Option<f64>); 2] = {
             let b = self.get(case);
             [
                 (
@@ -222,7 +227,6 @@ impl Baselines {
                     b.map(|b| b.prefill_tps),
                 ),
                 ("decode_tps", measured.decode_tps, b.map(|b| b.decode_tps)),
-                ("roofline", measured.roofline, b.map(|b| b.roofline)),
             ]
         };
         figures
@@ -314,17 +318,10 @@ mod tests {
     fn gates_against_baseline_with_margin() {
         let mut b = Baselines::default();
         b.update("c", fig(100.0, 20.0, 0.5));
-        // prefill −20% passes, decode −30% fails, roofline up passes.
-        let g = b.gates("c", &fig(80.0, 14.0, 0.6), DEFAULT_NOISE_MARGIN);
+        // prefill −20% passes, decode −30% fails; roofline (−60%) is recorded, not gated.
+        let g = b.gates("c", &fig(80.0, 14.0, 0.2), DEFAULT_NOISE_MARGIN);
         let verdicts: Vec<(&str, bool)> = g.iter().map(|g| (g.gate, g.passed)).collect();
-        assert_eq!(
-            verdicts,
-            [
-                ("prefill_tps", true),
-                ("decode_tps", false),
-                ("roofline", true)
-            ]
-        );
+        assert_eq!(verdicts, [("prefill_tps", true), ("decode_tps", false)]);
         assert_eq!(g[1].threshold, 15.0);
         assert_eq!(g[1].detail, "baseline 20.0, -30.0% (fails below −25%)");
     }
