@@ -6,18 +6,11 @@
 use engine::model::Model;
 use engine::runtime::{CpuBackend, Session};
 use engine::taps::TapRecorder;
+use harness::cases::split_fixture_name;
 use harness::tap::Tap;
 use harness::tolerance::{CaseContext, TolerancePolicy};
 use kernels::cpu::Isa;
 use reference::{Precision, ReferenceModel};
-
-/// The fixture's weight spec as named in case names: what follows the architecture in its name.
-fn weights_of(name: &str) -> &str {
-    name.match_indices('-')
-        .map(|(i, _)| &name[i + 1..])
-        .find(|w| harness::tolerance::WeightClass::parse(w).is_ok() || w.starts_with("mix"))
-        .unwrap_or("q4_0")
-}
 
 fn check(spec: &golden::fixtures::FixtureSpec) {
     let dir = tempfile::tempdir().expect("temp dir");
@@ -47,8 +40,13 @@ fn check(spec: &golden::fixtures::FixtureSpec) {
             .into_iter()
             .map(|t| Tap::new(t.name, t.shape, t.data))
             .collect();
-        let ctx = CaseContext::new(weights_of(spec.name), &format!("cpu-{}", isa.name()))
-            .expect("context");
+        let ctx = CaseContext::new(
+            split_fixture_name(spec.name)
+                .map(|(_, w)| w)
+                .expect("fixture name ends in its weights"),
+            &format!("cpu-{}", isa.name()),
+        )
+        .expect("context");
         let cmp =
             harness::compare::compare_taps(&eng_taps, &ref_taps, &TolerancePolicy::default(), &ctx);
         assert!(

@@ -204,6 +204,15 @@ pub struct ModelEntry {
     pub extended: bool,
 }
 
+/// Split a fixture file's name such as `deepseek2-lite-q8_0` into the matrix's model
+/// (`deepseek2-lite`) and weights (`q8_0`): the weights are the longest suffix after a `-` that
+/// names a weight type (so `llama-mix-all` is `llama` + `mix-all`).
+pub fn split_fixture_name(name: &str) -> Option<(&str, &str)> {
+    name.match_indices('-')
+        .map(|(i, _)| (&name[..i], &name[i + 1..]))
+        .find(|(_, w)| crate::tolerance::WeightClass::parse(w).is_ok())
+}
+
 impl ModelEntry {
     /// A fixture: not extended unless [`ModelEntry::extended`] says so.
     pub fn fixture(name: &str, weights: &[&str], available: bool) -> ModelEntry {
@@ -377,7 +386,26 @@ impl Matrix {
 
 #[cfg(test)]
 mod tests {
+
     use super::*;
+
+    #[test]
+    fn fixture_names_split_into_model_and_weights() {
+        assert_eq!(split_fixture_name("llama-q4_0"), Some(("llama", "q4_0")));
+        assert_eq!(
+            split_fixture_name("llama-q4_k_m"),
+            Some(("llama", "q4_k_m"))
+        );
+        assert_eq!(
+            split_fixture_name("llama-mix-all"),
+            Some(("llama", "mix-all"))
+        );
+        assert_eq!(
+            split_fixture_name("deepseek2-lite-q8_0"),
+            Some(("deepseek2-lite", "q8_0"))
+        );
+        assert_eq!(split_fixture_name("gemma3"), None);
+    }
 
     fn case(name: &str) -> Case {
         match name.parse() {

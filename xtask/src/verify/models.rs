@@ -5,8 +5,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
-use harness::cases::ModelEntry;
-use harness::tolerance::WeightClass;
+use harness::cases::{split_fixture_name, ModelEntry};
 
 use crate::fetch_model;
 
@@ -19,14 +18,6 @@ pub struct Models {
     pub entries: Vec<ModelEntry>,
     /// `(model, weights)` → the GGUF file, for every available model.
     pub paths: BTreeMap<(String, String), PathBuf>,
-}
-
-/// Split a fixture name such as `deepseek2-lite-q8_0` into model (`deepseek2-lite`) and weights
-/// (`q8_0`): the weights are the shortest suffix after a `-` that names a weight type.
-pub fn split_fixture_name(name: &str) -> Option<(&str, &str)> {
-    name.match_indices('-')
-        .map(|(i, _)| (&name[..i], &name[i + 1..]))
-        .find(|(_, w)| WeightClass::parse(w).is_ok())
 }
 
 /// Write every fixture under `dir` (deterministic bytes; rewritten each run) and look up the real
@@ -69,27 +60,4 @@ pub fn discover(dir: &Path) -> Result<Models> {
         paths.insert((REAL_MODEL.to_owned(), REAL_WEIGHTS.to_owned()), path);
     }
     Ok(Models { entries, paths })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::split_fixture_name;
-
-    #[test]
-    fn fixture_names_split_into_model_and_weights() {
-        assert_eq!(split_fixture_name("llama-q4_0"), Some(("llama", "q4_0")));
-        assert_eq!(
-            split_fixture_name("llama-q4_k_m"),
-            Some(("llama", "q4_k_m"))
-        );
-        assert_eq!(
-            split_fixture_name("llama-mix-all"),
-            Some(("llama", "mix-all"))
-        );
-        assert_eq!(
-            split_fixture_name("deepseek2-lite-q8_0"),
-            Some(("deepseek2-lite", "q8_0"))
-        );
-        assert_eq!(split_fixture_name("gemma3"), None);
-    }
 }
