@@ -5,7 +5,7 @@
 mod model_support;
 
 use engine::model::{Model, ModelError};
-use engine::runtime::{CpuBackend, Logits, Session};
+use engine::runtime::{CpuBackend, Engine, Logits, Session};
 use engine::taps::TapRecorder;
 use kernels::cpu::Isa;
 use kernels::quant::GgmlType;
@@ -18,7 +18,8 @@ fn backend(isa: Isa, threads: usize) -> CpuBackend {
 }
 
 fn full_logits(model: &Model, be: &CpuBackend, toks: &[u32]) -> Logits {
-    let mut s = Session::new(model, be, 64);
+    let engine = Engine::new(model, be).unwrap_or_else(|e| panic!("{e}"));
+    let mut s = Session::new(&engine, 64).unwrap_or_else(|e| panic!("{e}"));
     s.set_logits_all(true);
     s.forward(toks, None).unwrap_or_else(|e| panic!("{e}"))
 }
@@ -45,7 +46,8 @@ fn check_decode_equals_full(arch: Arch, mat_type: GgmlType) {
     let full = full_logits(&model, &be, &toks);
     assert_eq!(full.n_rows, toks.len());
 
-    let mut s = Session::new(&model, &be, 64);
+    let engine = Engine::new(&model, &be).unwrap_or_else(|e| panic!("{e}"));
+    let mut s = Session::new(&engine, 64).unwrap_or_else(|e| panic!("{e}"));
     for (i, &t) in toks.iter().enumerate() {
         let l = s.forward(&[t], None).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(l.n_rows, 1);
@@ -83,7 +85,8 @@ fn chunked_prefill_equals_one_batch() {
         let be = backend(Isa::detect(), 2);
         let toks = tokens(11, 3);
         let full = full_logits(&model, &be, &toks);
-        let mut s = Session::new(&model, &be, 64);
+        let engine = Engine::new(&model, &be).unwrap_or_else(|e| panic!("{e}"));
+        let mut s = Session::new(&engine, 64).unwrap_or_else(|e| panic!("{e}"));
         s.set_logits_all(true);
         let mut row = 0;
         for chunk in [&toks[..5], &toks[5..6], &toks[6..]] {
@@ -105,7 +108,8 @@ fn last_only_logits_equal_the_last_row() {
         let be = backend(Isa::detect(), 1);
         let toks = tokens(9, 5);
         let full = full_logits(&model, &be, &toks);
-        let mut s = Session::new(&model, &be, 64);
+        let engine = Engine::new(&model, &be).unwrap_or_else(|e| panic!("{e}"));
+        let mut s = Session::new(&engine, 64).unwrap_or_else(|e| panic!("{e}"));
         let l = s.forward(&toks, None).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!((l.n_rows, l.data.len()), (1, N_VOCAB));
         assert!(rel_err(l.last(), full.last()) <= DECODE_TOL, "{arch:?}");
@@ -173,7 +177,8 @@ fn taps_in_forward_order_with_shapes() {
         let be = backend(Isa::detect(), 1);
         let toks = tokens(5, 9);
         let mut rec = TapRecorder::new();
-        let mut s = Session::new(&model, &be, 64);
+        let engine = Engine::new(&model, &be).unwrap_or_else(|e| panic!("{e}"));
+        let mut s = Session::new(&engine, 64).unwrap_or_else(|e| panic!("{e}"));
         // Generation mode: taps still cover every token of the call.
         let logits = s
             .forward(&toks, Some(&mut rec))
@@ -226,7 +231,8 @@ fn gemma3_embed_tap_is_scaled_by_sqrt_n_embd() {
     let (_dir, model) = load(&Spec::new(Arch::Gemma3));
     let be = backend(Isa::Scalar, 1);
     let mut rec = TapRecorder::new();
-    let mut s = Session::new(&model, &be, 8);
+    let engine = Engine::new(&model, &be).unwrap_or_else(|e| panic!("{e}"));
+    let mut s = Session::new(&engine, 8).unwrap_or_else(|e| panic!("{e}"));
     s.forward(&[3], Some(&mut rec))
         .unwrap_or_else(|e| panic!("{e}"));
     let mut row = vec![0f32; N_EMBD];
@@ -348,7 +354,8 @@ fn missing_key_is_named() {
 fn forward_rejects_bad_tokens_and_overflow_without_touching_the_cache() {
     let (_dir, model) = load(&Spec::new(Arch::Llama));
     let be = backend(Isa::Scalar, 1);
-    let mut s = Session::new(&model, &be, 4);
+    let engine = Engine::new(&model, &be).unwrap_or_else(|e| panic!("{e}"));
+    let mut s = Session::new(&engine, 4).unwrap_or_else(|e| panic!("{e}"));
     assert!(s.forward(&[], None).is_err());
     let e = s.forward(&[1, N_VOCAB as u32], None);
     assert!(matches!(

@@ -8,7 +8,7 @@
 use std::path::PathBuf;
 
 use engine::model::Model;
-use engine::runtime::{CpuBackend, Session};
+use engine::runtime::{CpuBackend, Engine, Session};
 use engine::tokenizer::Tokenizer;
 
 const MODEL_FILE: &str = "gemma-3-270m-q4_k_m.gguf";
@@ -34,7 +34,8 @@ fn argmax(x: &[f32]) -> u32 {
 
 fn greedy(model: &Model, prompt: &[u32], n: usize) -> Vec<u32> {
     let backend = CpuBackend::new(None, None).unwrap_or_else(|e| panic!("{e}"));
-    let mut session = Session::new(model, &backend, prompt.len() + n);
+    let engine = Engine::new(model, &backend).unwrap_or_else(|e| panic!("{e}"));
+    let mut session = Session::new(&engine, prompt.len() + n).unwrap_or_else(|e| panic!("{e}"));
     let mut logits = session
         .forward(prompt, None)
         .unwrap_or_else(|e| panic!("{e}"));
@@ -85,7 +86,8 @@ fn greedy_matches_an_independent_numpy_forward() {
 fn paris_is_a_top_candidate_after_the_capital_of_france_is() {
     let model = model_or_skip!();
     let backend = CpuBackend::new(None, None).unwrap_or_else(|e| panic!("{e}"));
-    let mut session = Session::new(&model, &backend, 8);
+    let engine = Engine::new(&model, &backend).unwrap_or_else(|e| panic!("{e}"));
+    let mut session = Session::new(&engine, 8).unwrap_or_else(|e| panic!("{e}"));
     let logits = session
         .forward(&PROMPT_IDS, None)
         .unwrap_or_else(|e| panic!("{e}"));

@@ -4,7 +4,7 @@
 //! runs the same comparison as a matrix with gates and reports; this is its test-suite twin.
 
 use engine::model::Model;
-use engine::runtime::{CpuBackend, Session};
+use engine::runtime::{CpuBackend, Engine, Session};
 use engine::taps::TapRecorder;
 use harness::cases::split_fixture_name;
 use harness::tap::Tap;
@@ -30,7 +30,8 @@ fn check(spec: &golden::fixtures::FixtureSpec) {
     for isa in Isa::available() {
         let backend = CpuBackend::new(Some(isa), Some(2)).expect("backend");
         let mut recorder = TapRecorder::new();
-        let mut session = Session::new(&model, &backend, tokens.len());
+        let engine = Engine::new(&model, &backend).expect("weights prepare");
+        let mut session = Session::new(&engine, tokens.len()).expect("session");
         session.set_logits_all(true);
         let logits = session
             .forward(&tokens, Some(&mut recorder))

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use engine::model::Model;
-use engine::runtime::{CpuBackend, Session};
+use engine::runtime::{CpuBackend, Engine, Session};
 use engine::taps::TapRecorder;
 use engine::tokenizer::Tokenizer;
 use harness::coherence::logits::argmax;
@@ -72,7 +72,8 @@ pub fn run(args: Args) -> Result<()> {
 
     let backend = CpuBackend::new(Some(isa), args.threads)?;
     let mut recorder = TapRecorder::new();
-    let mut session = Session::new(&model, &backend, tokens.len());
+    let engine = Engine::new(&model, &backend).context("preparing the weights")?;
+    let mut session = Session::new(&engine, tokens.len())?;
     session.set_logits_all(true);
     let logits = session
         .forward(&tokens, Some(&mut recorder))

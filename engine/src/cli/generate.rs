@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use engine::model::Model;
-use engine::runtime::{Backend, CpuBackend, Session};
+use engine::runtime::{Backend, CpuBackend, Engine, Session};
 use engine::sampling::{Sampler, SamplerConfig};
 use engine::tokenizer::Tokenizer;
 use kernels::cpu::Isa;
@@ -117,7 +117,8 @@ pub fn run(args: Args) -> Result<()> {
     let mut sampler = Sampler::new(cfg);
 
     let n_ctx = prompt_ids.len() + args.max_tokens;
-    let mut session = Session::new(&model, &backend, n_ctx);
+    let engine = Engine::new(&model, &backend).context("preparing the weights")?;
+    let mut session = Session::new(&engine, n_ctx)?;
     let mut stdout = std::io::stdout().lock();
     let mut decoder = tokenizer.stream_decoder();
 

@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use engine::runtime::{Backend, Session};
+use engine::runtime::{Backend, Engine, Session};
 use engine::tokenizer::Tokenizer;
 use serde_json::json;
 
@@ -101,7 +101,8 @@ pub fn run(args: Args) -> Result<()> {
     let bos = tokenizer.bos();
     let first = n_ctx / 2;
 
-    let mut session = Session::new(&model, &backend, n_ctx);
+    let engine = Engine::new(&model, &backend).context("preparing the weights")?;
+    let mut session = Session::new(&engine, n_ctx)?;
     session.set_logits_all(true);
     let mut acc = PplAccumulator::default();
     let mut running = Vec::with_capacity(n_windows);

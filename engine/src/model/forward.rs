@@ -1,491 +1,694 @@
-//! The forward pass of every architecture, on any [`Backend`].
+//! The forward pass of every architecture, on any [`Backend`], over a [`Batch`].
 //!
 //! One function for all: the layer structure is llama's (norm → attention → residual, norm →
 //! FFN → residual) and the differences come from the configuration (embedding scale, RoPE
 //! style and bases, sliding window, soft-capping) and from which weights a layer has (QK-norm,
 //! post-norms, biases, MLA, MoE). Taps are emitted in `docs/TAPS.md` order.
+//!
+//! The pass only calls backend ops on backend tensors ([`Weights`], prepared once); the host
+//! computes nothing but the batch's metadata (positions, cells, ancestor sets). Data comes back
+//! to the host for the logits, and for taps only when an observer is attached.
 
 use crate::faults::{self, Fault};
-use crate::runtime::{AttnParams, Backend, KvCache, MatRef, RuntimeError};
+use crate::runtime::{
+    AttnMeta, Backend, Batch, KvCache, KvSource, Mask, QueryMeta, RuntimeError, Strided,
+};
 use crate::taps::{blk, Taps};
 
-use super::{
-    Attention, DenseFfn, Ffn, Gating, MlaAttention, Model, ModelConfig, MoeConfig, MoeFfn,
-    StdAttention, Weight,
-};
+use super::{Attention, Ffn, Model, ModelConfig, Weight};
 
-fn mat<'m>(m: &'m Model, w: &'m Weight) -> MatRef<'m> {
-    MatRef {
-        name: w.name(),
-        ty: w.ty,
-        data: m.data(w),
-        n_rows: w.n_rows,
-        k_dim: w.k_dim,
+/// A gated FFN's prepared weights.
+pub(crate) struct DenseW<'w, B: Backend + 'w> {
+    gate: B::Mat<'w>,
+    up: B::Mat<'w>,
+    down: B::Mat<'w>,
+}
+
+pub(crate) enum AttnW<'w, B: Backend + 'w> {
+    Std {
+        wq: B::Mat<'w>,
+        wk: B::Mat<'w>,
+        wv: B::Mat<'w>,
+        bq: Option<B::Buf>,
+        bk: Option<B::Buf>,
+        bv: Option<B::Buf>,
+        q_norm: Option<B::Buf>,
+        k_norm: Option<B::Buf>,
+    },
+    Mla {
+        /// `(attn_q_a, attn_q_a_norm, attn_q_b)`, or `attn_q` alone.
+        q: MlaQ<'w, B>,
+        wkv_a_mqa: B::Mat<'w>,
+        kv_a_norm: B::Buf,
+        wkv_b: B::Mat<'w>,
+    },
+}
+
+pub(crate) enum MlaQ<'w, B: Backend + 'w> {
+    LowRank(B::Mat<'w>, B::Buf, B::Mat<'w>),
+    Full(B::Mat<'w>),
+}
+
+pub(crate) enum FfnW<'w, B: Backend + 'w> {
+    Dense(DenseW<'w, B>),
+    Moe {
+        gate_inp: B::Mat<'w>,
+        exp_probs_b: Option<B::Buf>,
+        gate_exps: B::Mat<'w>,
+        up_exps: B::Mat<'w>,
+        down_exps: B::Mat<'w>,
+        shared: Option<DenseW<'w, B>>,
+    },
+}
+
+pub(crate) struct LayerW<'w, B: Backend + 'w> {
+    attn_norm: B::Buf,
+    attn: AttnW<'w, B>,
+    wo: B::Mat<'w>,
+    post_attn_norm: Option<B::Buf>,
+    ffn_norm: B::Buf,
+    ffn: FfnW<'w, B>,
+    post_ffn_norm: Option<B::Buf>,
+}
+
+/// Every weight of a model, prepared on one backend.
+pub struct Weights<'w, B: Backend + 'w> {
+    token_embd: B::Mat<'w>,
+    output: B::Mat<'w>,
+    output_norm: B::Buf,
+    layers: Vec<LayerW<'w, B>>,
+}
+
+impl<'w, B: Backend + 'w> Weights<'w, B> {
+    /// Prepare every weight of `m` on `be` (the CPU borrows the map; a GPU uploads).
+    pub fn prepare(m: &'w Model, be: &B) -> Result<Weights<'w, B>, RuntimeError> {
+        let mat = |w: &'w Weight| be.prepare(m.weight_data(w));
+        let vec = |v: &[f32]| be.upload(v);
+        let opt = |v: &Option<Vec<f32>>| v.as_deref().map(vec).transpose();
+        let dense = |f: &'w super::DenseFfn| -> Result<DenseW<'w, B>, RuntimeError> {
+            Ok(DenseW {
+                gate: mat(&f.gate)?,
+                up: mat(&f.up)?,
+                down: mat(&f.down)?,
+            })
+        };
+        let mut layers = Vec::with_capacity(m.layers.len());
+        for l in &m.layers {
+            let attn = match &l.attn {
+                Attention::Std(a) => AttnW::Std {
+                    wq: mat(&a.wq)?,
+                    wk: mat(&a.wk)?,
+                    wv: mat(&a.wv)?,
+                    bq: opt(&a.bq)?,
+                    bk: opt(&a.bk)?,
+                    bv: opt(&a.bv)?,
+                    q_norm: opt(&a.q_norm)?,
+                    k_norm: opt(&a.k_norm)?,
+                },
+                Attention::Mla(a) => AttnW::Mla {
+                    q: match (&a.wq_a, &a.wq) {
+                        (Some((wa, norm, wb)), _) => MlaQ::LowRank(mat(wa)?, vec(norm)?, mat(wb)?),
+                        (None, Some(wq)) => MlaQ::Full(mat(wq)?),
+                        (None, None) => {
+                            return Err(RuntimeError::Shape {
+                                op: "MLA queries: attn_q_a/attn_q_b or attn_q",
+                                expected: 1,
+                                found: 0,
+                            })
+                        }
+                    },
+                    wkv_a_mqa: mat(&a.wkv_a_mqa)?,
+                    kv_a_norm: vec(&a.kv_a_norm)?,
+                    wkv_b: mat(&a.wkv_b)?,
+                },
+            };
+            let ffn = match &l.ffn {
+                Ffn::Dense(f) => FfnW::Dense(dense(f)?),
+                Ffn::Moe(f) => FfnW::Moe {
+                    gate_inp: mat(&f.gate_inp)?,
+                    exp_probs_b: opt(&f.exp_probs_b)?,
+                    gate_exps: mat(&f.gate_exps)?,
+                    up_exps: mat(&f.up_exps)?,
+                    down_exps: mat(&f.down_exps)?,
+                    shared: f.shared.as_ref().map(dense).transpose()?,
+                },
+            };
+            layers.push(LayerW {
+                attn_norm: vec(&l.attn_norm)?,
+                attn,
+                wo: mat(&l.wo)?,
+                post_attn_norm: opt(&l.post_attn_norm)?,
+                ffn_norm: vec(&l.ffn_norm)?,
+                ffn,
+                post_ffn_norm: opt(&l.post_ffn_norm)?,
+            });
+        }
+        Ok(Weights {
+            token_embd: mat(&m.token_embd)?,
+            output: mat(&m.output)?,
+            output_norm: vec(&m.output_norm)?,
+            layers,
+        })
     }
 }
 
-/// Matrix `e` of a stack of expert matrices.
-fn expert_mat<'m>(m: &'m Model, w: &'m Weight, e: usize) -> MatRef<'m> {
-    let size = w.mat_bytes();
-    let e = match m.data(w).len().checked_div(size) {
-        // A loader that laid out the 3-D expert tensor in the wrong order.
-        Some(n_exp) if n_exp > 0 && faults::is_active(Fault::PermutedExperts) => (e + 1) % n_exp,
-        _ => e,
-    };
-    MatRef {
-        name: w.name(),
-        ty: w.ty,
-        data: m.data(w).get(e * size..(e + 1) * size).unwrap_or(&[]),
-        n_rows: w.n_rows,
-        k_dim: w.k_dim,
-    }
+/// What every layer of one forward shares: the batch's metadata and the cells it writes.
+struct Step<'a> {
+    n: usize,
+    /// RoPE positions (the batch's, unless a fault shifts them).
+    rope_pos: Vec<u32>,
+    queries: Vec<QueryMeta>,
+    slots: &'a [u32],
+    ancestors: Vec<u64>,
+    anc_words: usize,
+    tree: bool,
 }
 
-/// `x · wᵀ` for `n` rows, into a new buffer.
-fn matmul(be: &dyn Backend, w: MatRef<'_>, x: &[f32], n: usize) -> Result<Vec<f32>, RuntimeError> {
-    let mut out = vec![0f32; n * w.n_rows];
-    be.matmul(&w, x, n, &mut out)?;
+/// Copy a backend buffer to the observer, only when one is attached.
+fn tap<'n, B: Backend>(
+    be: &B,
+    taps: &mut Taps<'_>,
+    name: impl FnOnce() -> std::borrow::Cow<'n, str>,
+    n: usize,
+    width: usize,
+    buf: &B::Buf,
+) -> Result<(), RuntimeError> {
+    if taps.enabled() {
+        let mut host = Vec::new();
+        be.download(buf, &mut host)?;
+        taps.emit(name, n, width, &host);
+    }
+    Ok(())
+}
+
+/// `x · wᵀ` for `n` rows into a new buffer of `n × rows`.
+fn matmul<B: Backend>(
+    be: &B,
+    w: &B::Mat<'_>,
+    rows: usize,
+    x: &B::Buf,
+    n: usize,
+) -> Result<B::Buf, RuntimeError> {
+    let mut out = be.alloc(n * rows)?;
+    be.matmul(w, x, n, &mut out)?;
     Ok(out)
 }
 
-fn add_bias(x: &mut [f32], bias: Option<&Vec<f32>>) {
-    if let Some(b) = bias {
-        for row in x.chunks_exact_mut(b.len()) {
-            for (a, &c) in row.iter_mut().zip(b) {
-                *a += c;
-            }
-        }
+fn missing(op: &'static str) -> RuntimeError {
+    RuntimeError::Shape {
+        op,
+        expected: 1,
+        found: 0,
     }
 }
 
-/// Run `tokens` at positions `cache.len()..`, appending their keys and values to `cache`
-/// (uncommitted). Returns the logits (all rows, or the last only) and their row count.
-pub(crate) fn forward(
+/// Run `batch`, writing its keys and values to new pending cells of `cache` (the caller
+/// commits, compacts or rolls back). Returns the logits of the batch's logit rows, on the host,
+/// and those rows' batch indices.
+pub(crate) fn forward<B: Backend>(
     m: &Model,
-    be: &dyn Backend,
-    cache: &mut KvCache,
-    tokens: &[u32],
+    w: &Weights<'_, B>,
+    be: &B,
+    cache: &mut KvCache<B>,
+    batch: &Batch,
     taps: &mut Taps<'_>,
-    logits_all: bool,
-) -> Result<(Vec<f32>, usize), RuntimeError> {
+) -> Result<(Vec<f32>, Vec<u32>), RuntimeError> {
     let c = m.config();
-    let n = tokens.len();
+    batch.validate(c.n_vocab)?;
+    let n = batch.len();
     let d = c.n_embd;
-    let pos0 = cache.len();
 
-    let mut x = vec![0f32; n * d];
-    for (&tok, row) in tokens.iter().zip(x.chunks_exact_mut(d)) {
-        m.embedding_row(tok, row)?;
+    // A token without a parent in the batch starts its sequence's new positions.
+    let mut next = std::collections::HashMap::new();
+    for (index, (&seq, parent)) in batch.seqs().iter().zip(batch.parents()).enumerate() {
+        let first = *next.entry(seq).or_insert_with(|| cache.next_pos(seq));
+        if parent.is_none() && batch.positions()[index] != first {
+            return Err(RuntimeError::BadBatch {
+                index,
+                reason: format!(
+                    "a token without a parent must sit at sequence {seq}'s next position {first}, not {}",
+                    batch.positions()[index]
+                ),
+            });
+        }
     }
+    let slots = cache.allocate(be, batch.seqs(), batch.positions())?;
+    let shift = u32::from(faults::is_active(Fault::RopePositionOffByOne));
+    let (ancestors, anc_words) = if batch.is_tree() {
+        batch.ancestors()
+    } else {
+        (Vec::new(), 0)
+    };
+    let step = Step {
+        n,
+        rope_pos: batch.positions().iter().map(|&p| p + shift).collect(),
+        queries: batch
+            .positions()
+            .iter()
+            .zip(batch.seqs())
+            .map(|(&pos, &seq)| QueryMeta { pos, seq })
+            .collect(),
+        slots: &slots,
+        ancestors,
+        anc_words,
+        tree: batch.is_tree(),
+    };
+
+    let ids = be.upload_ids(batch.tokens())?;
+    let mut x = be.alloc(n * d)?;
+    be.embed(&w.token_embd, &ids, n, &mut x)?;
     if let Some(s) = c.embed_scale {
-        be.scale(&mut x, s);
+        be.scale(&mut x, s)?;
     }
-    taps.emit(|| "embed".into(), n, d, &x);
+    tap(be, taps, || "embed".into(), n, d, &x)?;
 
-    let mut h = vec![0f32; n * d];
-    for (il, layer) in m.layers.iter().enumerate() {
+    let mut h = be.alloc(n * d)?;
+    for (il, layer) in w.layers.iter().enumerate() {
         be.rms_norm(&x, &layer.attn_norm, c.rms_eps, &mut h)?;
-        taps.emit(|| blk(il, "attn_norm"), n, d, &h);
+        tap(be, taps, || blk(il, "attn_norm"), n, d, &h)?;
 
         let attn = match &layer.attn {
-            Attention::Std(a) => std_attention(m, be, cache, a, il, &h, pos0, taps)?,
-            Attention::Mla(a) => mla_attention(m, be, cache, a, il, &h, pos0, taps)?,
+            AttnW::Std { .. } => std_attention(c, be, cache, &layer.attn, il, &h, &step, taps)?,
+            AttnW::Mla { .. } => mla_attention(c, be, cache, &layer.attn, il, &h, &step, taps)?,
         };
-        taps.emit(|| blk(il, "attn"), n, c.n_head * c.head_dim_v, &attn);
+        tap(
+            be,
+            taps,
+            || blk(il, "attn"),
+            n,
+            c.n_head * c.head_dim_v,
+            &attn,
+        )?;
 
-        let mut o = matmul(be, mat(m, &layer.wo), &attn, n)?;
-        if let Some(w) = &layer.post_attn_norm {
-            be.rms_norm_inplace(&mut o, w, c.rms_eps)?;
+        let mut o = matmul(be, &layer.wo, d, &attn, n)?;
+        if let Some(nw) = &layer.post_attn_norm {
+            be.rms_norm_inplace(&mut o, nw, c.rms_eps)?;
         }
-        taps.emit(|| blk(il, "attn_out"), n, d, &o);
+        tap(be, taps, || blk(il, "attn_out"), n, d, &o)?;
         if faults::is_active(Fault::SkipResidualAdd) && il == 0 {
-            x.copy_from_slice(&o);
+            be.copy(&o, &mut x)?;
         } else {
             be.add(&mut x, &o)?;
         }
 
         be.rms_norm(&x, &layer.ffn_norm, c.rms_eps, &mut h)?;
-        taps.emit(|| blk(il, "ffn_norm"), n, d, &h);
+        tap(be, taps, || blk(il, "ffn_norm"), n, d, &h)?;
         let mut f = match &layer.ffn {
-            Ffn::Dense(ffn) => dense_ffn(m, be, c, ffn, &h, n)?,
-            Ffn::Moe(ffn) => {
-                let moe = c.moe.ok_or(RuntimeError::Shape {
-                    op: "MoE layer without MoE configuration",
-                    expected: 1,
-                    found: 0,
-                })?;
-                moe_ffn(m, be, c, &moe, ffn, il, &h, n, taps)?
-            }
+            FfnW::Dense(ffn) => dense_ffn(c, be, ffn, c.n_ff, &h, n)?,
+            FfnW::Moe { .. } => moe_ffn(c, be, &layer.ffn, il, &h, n, taps)?,
         };
-        if let Some(w) = &layer.post_ffn_norm {
-            be.rms_norm_inplace(&mut f, w, c.rms_eps)?;
+        if let Some(nw) = &layer.post_ffn_norm {
+            be.rms_norm_inplace(&mut f, nw, c.rms_eps)?;
         }
-        taps.emit(|| blk(il, "ffn_out"), n, d, &f);
+        tap(be, taps, || blk(il, "ffn_out"), n, d, &f)?;
         be.add(&mut x, &f)?;
-        taps.emit(|| blk(il, "out"), n, d, &x);
+        tap(be, taps, || blk(il, "out"), n, d, &x)?;
     }
 
     // Only the rows whose logits are wanted go through the head (all of them for taps).
-    let first = if logits_all || taps.enabled() {
-        0
+    let rows = batch.logit_rows();
+    let all = rows.len() == n;
+    let head_in = if all || taps.enabled() {
+        x
     } else {
-        n - 1
+        let mut sel = be.alloc(rows.len() * d)?;
+        be.gather_rows(&x, d, &rows, &mut sel)?;
+        sel
     };
-    let rows = n - first;
-    let mut xn = vec![0f32; rows * d];
-    be.rms_norm(&x[first * d..], &m.output_norm, c.rms_eps, &mut xn)?;
-    taps.emit(|| "output_norm".into(), rows, d, &xn);
-    let mut logits = matmul(be, mat(m, &m.output), &xn, rows)?;
+    let n_head_rows = be.buf_len(&head_in) / d;
+    let mut xn = be.alloc(n_head_rows * d)?;
+    be.rms_norm(&head_in, &w.output_norm, c.rms_eps, &mut xn)?;
+    tap(be, taps, || "output_norm".into(), n_head_rows, d, &xn)?;
+    let mut logits = matmul(be, &w.output, c.n_vocab, &xn, n_head_rows)?;
     if let Some(cap) = c.final_logit_softcap {
-        be.softcap(&mut logits, cap);
+        be.softcap(&mut logits, cap)?;
     }
-    taps.emit(|| "logits".into(), rows, c.n_vocab, &logits);
-    if !logits_all && rows > 1 {
-        logits.drain(..(rows - 1) * c.n_vocab);
-        return Ok((logits, 1));
+    tap(
+        be,
+        taps,
+        || "logits".into(),
+        n_head_rows,
+        c.n_vocab,
+        &logits,
+    )?;
+    if n_head_rows != rows.len() {
+        let mut sel = be.alloc(rows.len() * c.n_vocab)?;
+        be.gather_rows(&logits, c.n_vocab, &rows, &mut sel)?;
+        logits = sel;
     }
-    Ok((logits, rows))
+    let mut host = Vec::new();
+    be.download(&logits, &mut host)?;
+    Ok((host, rows))
 }
 
-/// Position of the first new token as RoPE sees it.
-fn rope_pos(pos0: usize) -> usize {
-    if faults::is_active(Fault::RopePositionOffByOne) {
-        pos0 + 1
-    } else {
-        pos0
-    }
-}
-
-/// Attention over the cache of layer `il`, after appending the new `k`, `v`.
-fn attend(
-    be: &dyn Backend,
-    c: &ModelConfig,
-    cache: &mut KvCache,
-    il: usize,
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    n: usize,
-) -> Result<Vec<f32>, RuntimeError> {
-    cache.append(il, k, v);
-    let (kc, vc, n_kv) = cache.layer(il);
-    let window = if c.is_swa_layer(il) {
+/// The sliding window of layer `il`, if it has one.
+fn window(c: &ModelConfig, il: usize) -> Option<usize> {
+    if c.is_swa_layer(il) {
         let extra = usize::from(faults::is_active(Fault::SlidingWindowOffByOne));
         c.sliding_window.map(|w| w + extra)
     } else {
         None
-    };
-    let p = AttnParams {
-        n_tokens: n,
-        n_kv,
+    }
+}
+
+fn attn_meta<'a, B: Backend>(
+    c: &ModelConfig,
+    cache: &'a KvCache<B>,
+    il: usize,
+    step: &'a Step<'_>,
+    n_head_kv: usize,
+) -> AttnMeta<'a> {
+    AttnMeta {
         n_head: c.n_head,
-        n_head_kv: c.n_head_kv,
+        n_head_kv,
         head_dim_k: c.head_dim_k,
         head_dim_v: c.head_dim_v,
         scale: c.attn_scale,
-        window,
+        mask: Mask {
+            causal: true,
+            window: window(c, il),
+            tree: step.tree,
+        },
+        queries: &step.queries,
+        cells: cache.cells(),
+        ancestors: &step.ancestors,
+        anc_words: step.anc_words,
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn std_attention<B: Backend>(
+    c: &ModelConfig,
+    be: &B,
+    cache: &mut KvCache<B>,
+    weights: &AttnW<'_, B>,
+    il: usize,
+    h: &B::Buf,
+    step: &Step<'_>,
+    taps: &mut Taps<'_>,
+) -> Result<B::Buf, RuntimeError> {
+    let AttnW::Std {
+        wq,
+        wk,
+        wv,
+        bq,
+        bk,
+        bv,
+        q_norm,
+        k_norm,
+    } = weights
+    else {
+        return Err(missing("standard attention weights"));
     };
-    let mut out = vec![0f32; n * c.n_head * c.head_dim_v];
-    be.attention(q, kc, vc, &p, &mut out)?;
+    let n = step.n;
+    let (nq, nk, nv) = (
+        c.n_head * c.head_dim_k,
+        c.n_head_kv * c.head_dim_k,
+        c.n_head_kv * c.head_dim_v,
+    );
+    let mut q = matmul(be, wq, nq, h, n)?;
+    let mut k = matmul(be, wk, nk, h, n)?;
+    let mut v = matmul(be, wv, nv, h, n)?;
+    for (x, b) in [(&mut q, bq), (&mut k, bk), (&mut v, bv)] {
+        if let Some(b) = b {
+            be.add_row(x, b)?;
+        }
+    }
+    if let Some(nw) = q_norm {
+        be.rms_norm_inplace(&mut q, nw, c.rms_eps)?;
+    }
+    if let Some(nw) = k_norm {
+        be.rms_norm_inplace(&mut k, nw, c.rms_eps)?;
+    }
+    if faults::is_active(Fault::SwappedQkShards) && c.n_head.is_multiple_of(2) {
+        // A loader that put the two halves of the query heads in the wrong order.
+        let half = c.n_head / 2 * c.head_dim_k;
+        let mut swapped = be.alloc(n * nq)?;
+        be.copy_strided(
+            &q,
+            Strided::new(nq, 0, half),
+            &mut swapped,
+            Strided::new(nq, 0, 0),
+            n,
+            1,
+            half,
+        )?;
+        be.copy_strided(
+            &q,
+            Strided::new(nq, 0, 0),
+            &mut swapped,
+            Strided::new(nq, 0, half),
+            n,
+            1,
+            half,
+        )?;
+        q = swapped;
+    }
+    let rope = c.rope_for_layer(il);
+    be.rope(&mut q, c.n_head, c.head_dim_k, &step.rope_pos, rope)?;
+    be.rope(&mut k, c.n_head_kv, c.head_dim_k, &step.rope_pos, rope)?;
+    tap(be, taps, || blk(il, "q"), n, nq, &q)?;
+    tap(be, taps, || blk(il, "k"), n, nk, &k)?;
+    tap(be, taps, || blk(il, "v"), n, nv, &v)?;
+
+    let kv = cache.layer_mut(il).ok_or(missing("KV cache layer"))?;
+    be.kv_write(kv, step.slots, &k, &v)?;
+    let mut out = be.alloc(n * c.n_head * c.head_dim_v)?;
+    let kv = cache.layer(il).ok_or(missing("KV cache layer"))?;
+    let meta = attn_meta(c, cache, il, step, c.n_head_kv);
+    be.attention(&q, KvSource::Cache(kv), &meta, &mut out)?;
     Ok(out)
 }
 
+/// Multi-head latent attention. The cache keeps each token's latent row `[ckv | k_pe]` (normed
+/// compressed kv, roped shared key); attention expands every cell's latent with `attn_kv_b` into
+/// per-head keys `[k_nope | k_pe]` and values.
 #[allow(clippy::too_many_arguments)]
-fn std_attention(
-    m: &Model,
-    be: &dyn Backend,
-    cache: &mut KvCache,
-    a: &StdAttention,
+fn mla_attention<B: Backend>(
+    c: &ModelConfig,
+    be: &B,
+    cache: &mut KvCache<B>,
+    weights: &AttnW<'_, B>,
     il: usize,
-    h: &[f32],
-    pos0: usize,
+    h: &B::Buf,
+    step: &Step<'_>,
     taps: &mut Taps<'_>,
-) -> Result<Vec<f32>, RuntimeError> {
-    let c = m.config();
-    let n = h.len() / c.n_embd;
-    let mut q = matmul(be, mat(m, &a.wq), h, n)?;
-    let mut k = matmul(be, mat(m, &a.wk), h, n)?;
-    let mut v = matmul(be, mat(m, &a.wv), h, n)?;
-    add_bias(&mut q, a.bq.as_ref());
-    add_bias(&mut k, a.bk.as_ref());
-    add_bias(&mut v, a.bv.as_ref());
-    if let Some(w) = &a.q_norm {
-        be.rms_norm_inplace(&mut q, w, c.rms_eps)?;
-    }
-    if let Some(w) = &a.k_norm {
-        be.rms_norm_inplace(&mut k, w, c.rms_eps)?;
-    }
-    if faults::is_active(Fault::SwappedQkShards) && c.n_head.is_multiple_of(2) {
-        let half = c.n_head / 2 * c.head_dim_k;
-        for row in q.chunks_exact_mut(2 * half) {
-            let (a0, a1) = row.split_at_mut(half);
-            a0.swap_with_slice(a1);
-        }
-    }
-    let rope = c.rope_for_layer(il);
-    be.rope(&mut q, n, c.n_head, c.head_dim_k, rope_pos(pos0), rope)?;
-    be.rope(&mut k, n, c.n_head_kv, c.head_dim_k, rope_pos(pos0), rope)?;
-    taps.emit(|| blk(il, "q"), n, c.n_head * c.head_dim_k, &q);
-    taps.emit(|| blk(il, "k"), n, c.n_head_kv * c.head_dim_k, &k);
-    taps.emit(|| blk(il, "v"), n, c.n_head_kv * c.head_dim_v, &v);
-    attend(be, c, cache, il, &q, &k, &v, n)
-}
-
-#[allow(clippy::too_many_arguments)]
-fn mla_attention(
-    m: &Model,
-    be: &dyn Backend,
-    cache: &mut KvCache,
-    a: &MlaAttention,
-    il: usize,
-    h: &[f32],
-    pos0: usize,
-    taps: &mut Taps<'_>,
-) -> Result<Vec<f32>, RuntimeError> {
-    let c = m.config();
-    let Some(mla) = c.mla else {
-        return Err(RuntimeError::Shape {
-            op: "MLA layer without MLA configuration",
-            expected: 1,
-            found: 0,
-        });
+) -> Result<B::Buf, RuntimeError> {
+    let (
+        Some(mla),
+        AttnW::Mla {
+            q: wq,
+            wkv_a_mqa,
+            kv_a_norm,
+            wkv_b,
+        },
+    ) = (c.mla, weights)
+    else {
+        return Err(missing("MLA layer without MLA configuration"));
     };
-    let n = h.len() / c.n_embd;
+    let n = step.n;
     let nh = c.n_head;
-    let (nope, rope_d, dv) = (mla.qk_nope, mla.qk_rope, mla.v_head_dim);
-    let dqk = nope + rope_d;
+    let (nope, rd, dv, rank) = (mla.qk_nope, mla.qk_rope, mla.v_head_dim, mla.kv_lora_rank);
+    let dqk = nope + rd;
 
-    let mut q = match (&a.wq_a, &a.wq) {
-        (Some((wa, norm, wb)), _) => {
-            let mut qa = matmul(be, mat(m, wa), h, n)?;
+    let mut q = match wq {
+        MlaQ::LowRank(wa, norm, wb) => {
+            let mut qa = matmul(be, wa, mla.q_lora_rank, h, n)?;
             be.rms_norm_inplace(&mut qa, norm, c.rms_eps)?;
-            matmul(be, mat(m, wb), &qa, n)?
+            matmul(be, wb, nh * dqk, &qa, n)?
         }
-        (None, Some(wq)) => matmul(be, mat(m, wq), h, n)?,
-        (None, None) => {
-            return Err(RuntimeError::Shape {
-                op: "MLA queries: attn_q_a/attn_q_b or attn_q",
-                expected: 1,
-                found: 0,
-            })
-        }
+        MlaQ::Full(wq) => matmul(be, wq, nh * dqk, h, n)?,
     };
-    let kva = matmul(be, mat(m, &a.wkv_a_mqa), h, n)?;
-    let kva_w = mla.kv_lora_rank + rope_d;
-    let mut ckv = Vec::with_capacity(n * mla.kv_lora_rank);
-    let mut kpe = Vec::with_capacity(n * rope_d);
-    for row in kva.chunks_exact(kva_w) {
-        ckv.extend_from_slice(&row[..mla.kv_lora_rank]);
-        kpe.extend_from_slice(&row[mla.kv_lora_rank..]);
-    }
+    let lat_w = rank + rd;
+    let kva = matmul(be, wkv_a_mqa, lat_w, h, n)?;
+    let mut ckv = be.alloc(n * rank)?;
+    be.copy_strided(
+        &kva,
+        Strided::new(lat_w, 0, 0),
+        &mut ckv,
+        Strided::new(rank, 0, 0),
+        n,
+        1,
+        rank,
+    )?;
+    let mut kpe = be.alloc(n * rd)?;
+    be.copy_strided(
+        &kva,
+        Strided::new(lat_w, 0, rank),
+        &mut kpe,
+        Strided::new(rd, 0, 0),
+        n,
+        1,
+        rd,
+    )?;
 
     // Decoupled RoPE: the last `qk_rope` values of each query head, and the one shared k_pe.
     let rope = c.rope_for_layer(il);
-    let mut qpe = Vec::with_capacity(n * nh * rope_d);
-    for head in q.chunks_exact(dqk) {
-        qpe.extend_from_slice(&head[nope..]);
-    }
-    be.rope(&mut qpe, n, nh, rope_d, rope_pos(pos0), rope)?;
-    for (head, pe) in q.chunks_exact_mut(dqk).zip(qpe.chunks_exact(rope_d)) {
-        head[nope..].copy_from_slice(pe);
-    }
-    be.rope(&mut kpe, n, 1, rope_d, rope_pos(pos0), rope)?;
+    let mut qpe = be.alloc(n * nh * rd)?;
+    let q_heads = Strided::new(nh * dqk, dqk, nope);
+    let pe_heads = Strided::new(nh * rd, rd, 0);
+    be.copy_strided(&q, q_heads, &mut qpe, pe_heads, n, nh, rd)?;
+    be.rope(&mut qpe, nh, rd, &step.rope_pos, rope)?;
+    be.copy_strided(&qpe, pe_heads, &mut q, q_heads, n, nh, rd)?;
+    be.rope(&mut kpe, 1, rd, &step.rope_pos, rope)?;
+    be.rms_norm_inplace(&mut ckv, kv_a_norm, c.rms_eps)?;
 
-    be.rms_norm_inplace(&mut ckv, &a.kv_a_norm, c.rms_eps)?;
-    let kv = matmul(be, mat(m, &a.wkv_b), &ckv, n)?;
-    let mut k = Vec::with_capacity(n * nh * dqk);
-    let mut v = Vec::with_capacity(n * nh * dv);
-    for (t, row) in kv.chunks_exact(nh * (nope + dv)).enumerate() {
-        let pe = &kpe[t * rope_d..(t + 1) * rope_d];
-        for head in row.chunks_exact(nope + dv) {
-            k.extend_from_slice(&head[..nope]);
-            k.extend_from_slice(pe);
-            v.extend_from_slice(&head[nope..]);
-        }
-    }
-    taps.emit(|| blk(il, "q"), n, nh * dqk, &q);
-    taps.emit(|| blk(il, "k"), n, nh * dqk, &k);
-    taps.emit(|| blk(il, "v"), n, nh * dv, &v);
-    attend(be, c, cache, il, &q, &k, &v, n)
-}
+    // The latent rows of the new tokens go to the cache.
+    let mut latent = be.alloc(n * lat_w)?;
+    be.copy_strided(
+        &ckv,
+        Strided::new(rank, 0, 0),
+        &mut latent,
+        Strided::new(lat_w, 0, 0),
+        n,
+        1,
+        rank,
+    )?;
+    be.copy_strided(
+        &kpe,
+        Strided::new(rd, 0, 0),
+        &mut latent,
+        Strided::new(lat_w, 0, rank),
+        n,
+        1,
+        rd,
+    )?;
+    let no_values = be.alloc(0)?;
+    let kv = cache.layer_mut(il).ok_or(missing("KV cache layer"))?;
+    be.kv_write(kv, step.slots, &latent, &no_values)?;
 
-fn dense_ffn(
-    m: &Model,
-    be: &dyn Backend,
-    c: &ModelConfig,
-    f: &DenseFfn,
-    h: &[f32],
-    n: usize,
-) -> Result<Vec<f32>, RuntimeError> {
-    let mut g = matmul(be, mat(m, &f.gate), h, n)?;
-    let u = matmul(be, mat(m, &f.up), h, n)?;
-    be.gated_act(c.activation, &mut g, &u)?;
-    matmul(be, mat(m, &f.down), &g, n)
-}
+    // Expand every cell's latent row into per-head keys and values.
+    let kv = cache.layer(il).ok_or(missing("KV cache layer"))?;
+    let n_cells = cache.cells().len();
+    let mut lat_all = be.alloc(n_cells * lat_w)?;
+    be.kv_read_k(kv, n_cells, &mut lat_all)?;
+    let mut ckv_all = be.alloc(n_cells * rank)?;
+    be.copy_strided(
+        &lat_all,
+        Strided::new(lat_w, 0, 0),
+        &mut ckv_all,
+        Strided::new(rank, 0, 0),
+        n_cells,
+        1,
+        rank,
+    )?;
+    let kvb = matmul(be, wkv_b, nh * (nope + dv), &ckv_all, n_cells)?;
+    let kvb_heads = |off| Strided::new(nh * (nope + dv), nope + dv, off);
+    let mut k_all = be.alloc(n_cells * nh * dqk)?;
+    be.copy_strided(
+        &kvb,
+        kvb_heads(0),
+        &mut k_all,
+        Strided::new(nh * dqk, dqk, 0),
+        n_cells,
+        nh,
+        nope,
+    )?;
+    be.copy_strided(
+        &lat_all,
+        Strided::new(lat_w, 0, rank),
+        &mut k_all,
+        Strided::new(nh * dqk, dqk, nope),
+        n_cells,
+        nh,
+        rd,
+    )?;
+    let mut v_all = be.alloc(n_cells * nh * dv)?;
+    be.copy_strided(
+        &kvb,
+        kvb_heads(nope),
+        &mut v_all,
+        Strided::new(nh * dv, dv, 0),
+        n_cells,
+        nh,
+        dv,
+    )?;
 
-/// One token's routing: expert ids in rank order and their weights.
-pub(crate) fn route(
-    logits: &[f32],
-    bias: Option<&[f32]>,
-    moe: &MoeConfig,
-) -> (Vec<usize>, Vec<f32>) {
-    let probs: Vec<f32> = match moe.gating {
-        Gating::Softmax => {
-            let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let e: Vec<f32> = logits.iter().map(|&l| (l - max).exp()).collect();
-            let sum: f64 = e.iter().map(|&v| f64::from(v)).sum();
-            let inv = (1.0 / sum) as f32;
-            e.iter().map(|&v| v * inv).collect()
-        }
-        Gating::Sigmoid => logits.iter().map(|&l| 1.0 / (1.0 + (-l).exp())).collect(),
-    };
-    let select: Vec<f32> = match bias {
-        Some(b) => probs.iter().zip(b).map(|(p, b)| p + b).collect(),
-        None => probs.clone(),
-    };
-    let mut order: Vec<usize> = (0..probs.len()).collect();
-    // Descending by selection score; NaN last; ties keep the lower id first.
-    order.sort_by(|&a, &b| {
-        select[b]
-            .partial_cmp(&select[a])
-            .unwrap_or_else(|| select[a].is_nan().cmp(&select[b].is_nan()))
-    });
-    let k = moe.n_expert_used.min(order.len());
-    let mut chosen: Vec<usize> = order[..k].to_vec();
-    if faults::is_active(Fault::WrongRouterTopK) && order.len() > k && k > 0 {
-        chosen[k - 1] = order[k];
-    }
-    let mut weights: Vec<f32> = chosen.iter().map(|&e| probs[e]).collect();
-    if moe.weights_norm {
-        // llama.cpp clamps the sum at the smallest normal f16 before dividing.
-        let sum = weights.iter().sum::<f32>().max(6.103_515_6e-5);
-        weights.iter_mut().for_each(|w| *w /= sum);
-    }
-    weights.iter_mut().for_each(|w| *w *= moe.weights_scale);
-    (chosen, weights)
-}
-
-#[allow(clippy::too_many_arguments)]
-fn moe_ffn(
-    m: &Model,
-    be: &dyn Backend,
-    c: &ModelConfig,
-    moe: &MoeConfig,
-    f: &MoeFfn,
-    il: usize,
-    h: &[f32],
-    n: usize,
-    taps: &mut Taps<'_>,
-) -> Result<Vec<f32>, RuntimeError> {
-    let d = c.n_embd;
-    let ne = moe.n_expert;
-    let router = matmul(be, mat(m, &f.gate_inp), h, n)?;
-    taps.emit(|| blk(il, "router"), n, ne, &router);
-
-    let k = moe.n_expert_used;
-    // Per expert: (token, rank) pairs routed to it.
-    let mut assigned: Vec<Vec<(usize, usize)>> = vec![Vec::new(); ne];
-    let mut weights = vec![0f32; n * k];
-    let mut poisoned = None;
-    for (t, row) in router.chunks_exact(ne).enumerate() {
-        let (ids, w) = route(row, f.exp_probs_b.as_deref(), moe);
-        if t == 0 && faults::is_active(Fault::NanInExpert) {
-            poisoned = ids.first().copied();
-        }
-        for (r, (&e, &wt)) in ids.iter().zip(&w).enumerate() {
-            assigned[e].push((t, r));
-            weights[t * k + r] = wt;
+    tap(be, taps, || blk(il, "q"), n, nh * dqk, &q)?;
+    if taps.enabled() {
+        for (name, buf, width) in [("k", &k_all, nh * dqk), ("v", &v_all, nh * dv)] {
+            let mut rows = be.alloc(n * width)?;
+            be.gather_rows(buf, width, step.slots, &mut rows)?;
+            tap(be, taps, || blk(il, name), n, width, &rows)?;
         }
     }
-
-    // Each expert runs once over all its tokens; outputs are kept per (token, rank) and summed
-    // in rank order, as llama.cpp adds the selected experts' views.
-    let mut per_rank = vec![0f32; n * k * d];
-    let mut xs = Vec::new();
-    for (e, routed) in assigned.iter().enumerate() {
-        if routed.is_empty() {
-            continue;
-        }
-        xs.clear();
-        for &(t, _) in routed {
-            xs.extend_from_slice(&h[t * d..(t + 1) * d]);
-        }
-        let nt = routed.len();
-        let mut g = matmul(be, expert_mat(m, &f.gate_exps, e), &xs, nt)?;
-        let u = matmul(be, expert_mat(m, &f.up_exps, e), &xs, nt)?;
-        be.gated_act(c.activation, &mut g, &u)?;
-        let mut y = matmul(be, expert_mat(m, &f.down_exps, e), &g, nt)?;
-        if poisoned == Some(e) {
-            y.fill(f32::NAN);
-        }
-        for (&(t, r), yr) in routed.iter().zip(y.chunks_exact(d)) {
-            let wt = weights[t * k + r];
-            let dst = &mut per_rank[(t * k + r) * d..(t * k + r + 1) * d];
-            for (o, &v) in dst.iter_mut().zip(yr) {
-                *o = v * wt;
-            }
-        }
-    }
-    let mut out = vec![0f32; n * d];
-    for (t, o) in out.chunks_exact_mut(d).enumerate() {
-        o.copy_from_slice(&per_rank[t * k * d..(t * k + 1) * d]);
-        for r in 1..k {
-            let src = &per_rank[(t * k + r) * d..(t * k + r + 1) * d];
-            for (a, &b) in o.iter_mut().zip(src) {
-                *a += b;
-            }
-        }
-    }
-    if let Some(shared) = &f.shared {
-        let s = dense_ffn(m, be, c, shared, h, n)?;
-        be.add(&mut out, &s)?;
-    }
+    let mut out = be.alloc(n * nh * dv)?;
+    let meta = attn_meta(c, cache, il, step, nh);
+    be.attention(
+        &q,
+        KvSource::Bufs {
+            k: &k_all,
+            v: &v_all,
+        },
+        &meta,
+        &mut out,
+    )?;
     Ok(out)
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
+fn dense_ffn<B: Backend>(
+    c: &ModelConfig,
+    be: &B,
+    f: &DenseW<'_, B>,
+    n_ff: usize,
+    h: &B::Buf,
+    n: usize,
+) -> Result<B::Buf, RuntimeError> {
+    let mut g = matmul(be, &f.gate, n_ff, h, n)?;
+    let u = matmul(be, &f.up, n_ff, h, n)?;
+    be.gated_act(c.activation, &mut g, &u)?;
+    matmul(be, &f.down, c.n_embd, &g, n)
+}
 
-    fn moe(gating: Gating, norm: bool, scale: f32, k: usize) -> MoeConfig {
-        MoeConfig {
-            n_expert: 4,
-            n_expert_used: k,
-            n_expert_shared: 0,
-            n_ff_exp: 8,
-            n_dense_lead: 0,
-            weights_scale: scale,
-            weights_norm: norm,
-            gating,
+fn moe_ffn<B: Backend>(
+    c: &ModelConfig,
+    be: &B,
+    weights: &FfnW<'_, B>,
+    il: usize,
+    h: &B::Buf,
+    n: usize,
+    taps: &mut Taps<'_>,
+) -> Result<B::Buf, RuntimeError> {
+    let (
+        Some(moe),
+        FfnW::Moe {
+            gate_inp,
+            exp_probs_b,
+            gate_exps,
+            up_exps,
+            down_exps,
+            shared,
+        },
+    ) = (c.moe, weights)
+    else {
+        return Err(missing("MoE layer without MoE configuration"));
+    };
+    let d = c.n_embd;
+    let (ne, k, nff) = (moe.n_expert, moe.n_expert_used, moe.n_ff_exp);
+    let router = matmul(be, gate_inp, ne, h, n)?;
+    tap(be, taps, || blk(il, "router"), n, ne, &router)?;
+
+    let mut ids = be.upload_ids(&vec![0; n * k])?;
+    let mut wts = be.alloc(n * k)?;
+    be.route(&router, exp_probs_b.as_ref(), &moe, n, &mut ids, &mut wts)?;
+    let mut g = be.alloc(n * k * nff)?;
+    be.matmul_experts(gate_exps, h, false, &ids, n, k, &mut g)?;
+    let mut u = be.alloc(n * k * nff)?;
+    be.matmul_experts(up_exps, h, false, &ids, n, k, &mut u)?;
+    be.gated_act(c.activation, &mut g, &u)?;
+    let mut y = be.alloc(n * k * d)?;
+    be.matmul_experts(down_exps, &g, true, &ids, n, k, &mut y)?;
+    if faults::is_active(Fault::NanInExpert) {
+        // An expert kernel that produced NaN for every token's first-ranked expert.
+        for t in 0..n {
+            be.fill(&mut y, t * k * d, d, f32::NAN)?;
         }
     }
-
-    #[test]
-    fn softmax_router_picks_top_k_by_probability() {
-        let logits = [0.0, 2.0, 1.0, -1.0];
-        let (ids, w) = route(&logits, None, &moe(Gating::Softmax, false, 1.0, 2));
-        assert_eq!(ids, [1, 2]);
-        // softmax(2) and softmax(1) over {0, 2, 1, -1}, computed by hand in f64.
-        let z: f64 = [0f64, 2.0, 1.0, -1.0].iter().map(|v| v.exp()).sum();
-        approx::assert_relative_eq!(w[0], (2f64.exp() / z) as f32, max_relative = 1e-6);
-        approx::assert_relative_eq!(w[1], (1f64.exp() / z) as f32, max_relative = 1e-6);
+    let mut out = be.alloc(n * d)?;
+    be.moe_combine(&y, &wts, n, k, &mut out)?;
+    if let Some(s) = shared {
+        let sh = dense_ffn(c, be, s, moe.n_ff_exp * moe.n_expert_shared, h, n)?;
+        be.add(&mut out, &sh)?;
     }
-
-    #[test]
-    fn bias_changes_the_choice_but_not_the_weights() {
-        let logits = [0.0, 2.0, 1.0, -1.0];
-        let bias = [0.0, 0.0, 0.0, 5.0];
-        let cfg = moe(Gating::Sigmoid, false, 1.0, 2);
-        let (ids, w) = route(&logits, Some(&bias), &cfg);
-        assert_eq!(ids, [3, 1]);
-        let sig = |x: f32| 1.0 / (1.0 + (-x).exp());
-        assert_eq!(w, [sig(-1.0), sig(2.0)]);
-    }
-
-    #[test]
-    fn weights_are_normalized_then_scaled() {
-        let logits = [0.0, 2.0, 1.0, -1.0];
-        let (_, w) = route(&logits, None, &moe(Gating::Sigmoid, true, 2.5, 3));
-        approx::assert_relative_eq!(w.iter().sum::<f32>(), 2.5, max_relative = 1e-6);
-    }
+    Ok(out)
 }

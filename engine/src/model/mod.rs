@@ -19,13 +19,15 @@ use std::path::Path;
 use kernels::quant::dequantize;
 
 use crate::gguf::Gguf;
+use crate::runtime::WeightData;
 
 pub use config::{
     Activation, Architecture, Gating, MlaConfig, ModelConfig, MoeConfig, RopeConfig, RopeStyle,
     Yarn,
 };
 pub use error::ModelError;
-pub use weights::Weight;
+pub use forward::Weights;
+pub use weights::{ShardError, ShardView, Weight};
 
 use weights::Loader;
 
@@ -55,7 +57,9 @@ pub struct MlaAttention {
     pub wkv_b: Weight,
 }
 
+/// One per layer, built once at load (as [`Ffn`]).
 #[derive(Debug)]
+#[allow(clippy::large_enum_variant)]
 pub enum Attention {
     Std(StdAttention),
     Mla(MlaAttention),
@@ -164,9 +168,52 @@ impl Model {
         &self.gguf
     }
 
-    /// The bytes of a weight (all of its matrices).
+    /// The bytes of a weight's whole tensor (all of its matrices).
     pub fn data(&self, w: &Weight) -> &[u8] {
         self.gguf.tensor_data(&w.info)
+    }
+
+    /// A weight as a backend's [`prepare`](crate::runtime::Backend::prepare) takes it: its
+    /// view's bytes cut out of the tensor (borrowed from the map where they are contiguous).
+    pub fn weight_data<'a>(&'a self, w: &'a Weight) -> WeightData<'a> {
+        WeightData {
+            name: w.name(),
+            ty: w.ty,
+            k_dim: w.k_dim,
+            n_rows: w.n_rows,
+            n_mats: w.n_mats,
+            data: w.bytes(self.data(w)),
+        }
+    }
+
+    /// Every weight matrix of the model, in forward order (token embedding first, output head
+    /// last): for inspection, shard planning and tests.
+    pub fn weights(&self) -> Vec<&Weight> {
+        let mut out = vec![&self.token_embd];
+        for l in &self.layers {
+            match &l.attn {
+                Attention::Std(a) => out.extend([&a.wq, &a.wk, &a.wv]),
+                Attention::Mla(a) => {
+                    if let Some((qa, _, qb)) = &a.wq_a {
+                        out.extend([qa, qb]);
+                    }
+                    out.extend(a.wq.as_ref());
+                    out.extend([&a.wkv_a_mqa, &a.wkv_b]);
+                }
+            }
+            out.push(&l.wo);
+            match &l.ffn {
+                Ffn::Dense(f) => out.extend([&f.gate, &f.up, &f.down]),
+                Ffn::Moe(f) => {
+                    out.extend([&f.gate_inp, &f.gate_exps, &f.up_exps, &f.down_exps]);
+                    if let Some(s) = &f.shared {
+                        out.extend([&s.gate, &s.up, &s.down]);
+                    }
+                }
+            }
+        }
+        out.push(&self.output);
+        out
     }
 
     /// Dequantize the embedding row of `token` into `out` (`n_embd` values), unscaled.

@@ -2,12 +2,49 @@
 //!
 //! Weights stay in the GGUF map as quantized bytes; a [`Weight`] remembers where. Only small
 //! vectors (norm weights, biases, the expert bias) are dequantized into memory at load.
+//!
+//! A weight may be a *shard view* ([`Weight::shard`]): a range of rows and a range of columns
+//! of each matrix, cut on block boundaries, so tensor parallelism can prepare only its part.
+//! [`Weight::bytes`] cuts the view's bytes out of the tensor (borrowed when they are one
+//! contiguous range, gathered otherwise).
+
+use std::borrow::Cow;
+use std::ops::Range;
 
 use kernels::quant::{dequantize, GgmlType};
+use thiserror::Error;
 
+use crate::faults::{self, Fault};
 use crate::gguf::{Gguf, TensorInfo};
 
 use super::ModelError;
+
+/// Which part of each matrix of a tensor a [`Weight`] is: rows and columns in elements.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ShardView {
+    pub rows: Range<usize>,
+    pub cols: Range<usize>,
+}
+
+/// A shard view that cannot be cut.
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum ShardError {
+    #[error("shard of {tensor} ({ty}): column offset {offset} cuts a block of {block} values")]
+    CutsBlock {
+        tensor: String,
+        ty: GgmlType,
+        offset: usize,
+        block: usize,
+    },
+    #[error("shard of {tensor}: {axis} {start}..{end} is empty or outside 0..{len}")]
+    OutOfRange {
+        tensor: String,
+        axis: &'static str,
+        start: usize,
+        end: usize,
+        len: usize,
+    },
+}
 
 /// One weight matrix (or stack of expert matrices) in the file.
 ///
@@ -21,8 +58,11 @@ pub struct Weight {
     pub n_rows: usize,
     /// 1 for a plain matrix.
     pub n_mats: usize,
-    /// Bytes of one row.
+    /// Bytes of one row (of the view, for a shard).
     pub row_bytes: usize,
+    /// The part of the tensor this weight is; `None` for the whole tensor. `k_dim` and
+    /// `n_rows` are the view's.
+    pub view: Option<ShardView>,
 }
 
 impl Weight {
@@ -34,6 +74,120 @@ impl Weight {
     pub fn mat_bytes(&self) -> usize {
         self.row_bytes * self.n_rows
     }
+
+    /// The whole tensor's `(k_dim, n_rows)`.
+    fn full_dims(&self) -> (usize, usize) {
+        let d = |i: usize| {
+            self.info
+                .dims
+                .get(i)
+                .and_then(|&v| usize::try_from(v).ok())
+                .unwrap_or(1)
+        };
+        (d(0), d(1))
+    }
+
+    /// A view of rows `rows` and columns `cols` of every matrix of this (whole) tensor.
+    /// Columns must start and end on a block boundary of the weight type and of the type its
+    /// activations are quantized to (a K-quant's 256), or the view would cut a block.
+    pub fn shard(&self, rows: Range<usize>, cols: Range<usize>) -> Result<Weight, ShardError> {
+        let (full_k, full_rows) = self.full_dims();
+        let tensor = self.info.name.clone();
+        let check = |axis, r: &Range<usize>, len| {
+            if r.start >= r.end || r.end > len {
+                return Err(ShardError::OutOfRange {
+                    tensor: tensor.clone(),
+                    axis,
+                    start: r.start,
+                    end: r.end,
+                    len,
+                });
+            }
+            Ok(())
+        };
+        check("rows", &rows, full_rows)?;
+        check("columns", &cols, full_k)?;
+        let block = self.ty.block_size().max(
+            kernels::cpu::vec_dot_type(self.ty)
+                .map(|t| t.block_size())
+                .unwrap_or(1),
+        );
+        for offset in [cols.start, cols.end] {
+            if offset % block != 0 && offset != full_k {
+                return Err(ShardError::CutsBlock {
+                    tensor: tensor.clone(),
+                    ty: self.ty,
+                    offset,
+                    block,
+                });
+            }
+        }
+        let k_dim = cols.len();
+        Ok(Weight {
+            k_dim,
+            n_rows: rows.len(),
+            row_bytes: k_dim / self.ty.block_size() * self.ty.type_size(),
+            view: Some(ShardView { rows, cols }),
+            ..self.clone()
+        })
+    }
+
+    /// This weight's bytes out of its tensor's `data` (all matrices, contiguous), as a
+    /// backend's `prepare` takes them. Loader faults (`permuted-experts`,
+    /// `wrong-dequant-scale`) act here, as a loader bug would.
+    pub fn bytes<'a>(&self, data: &'a [u8]) -> Cow<'a, [u8]> {
+        let mut out = match &self.view {
+            None => Cow::Borrowed(data),
+            Some(v) => {
+                let (full_k, full_rows) = self.full_dims();
+                let bs = self.ty.block_size();
+                let ts = self.ty.type_size();
+                let full_row = full_k / bs * ts;
+                let full_mat = full_row * full_rows;
+                let c0 = v.cols.start / bs * ts;
+                if self.n_mats == 1 && v.cols.len() == full_k {
+                    let r = v.rows.start * full_row..v.rows.end * full_row;
+                    Cow::Borrowed(data.get(r).unwrap_or(&[]))
+                } else {
+                    let mut o = Vec::with_capacity(self.n_mats * self.mat_bytes());
+                    for m in 0..self.n_mats {
+                        for r in v.rows.clone() {
+                            let at = m * full_mat + r * full_row + c0;
+                            o.extend_from_slice(data.get(at..at + self.row_bytes).unwrap_or(&[]));
+                        }
+                    }
+                    Cow::Owned(o)
+                }
+            }
+        };
+        if self.n_mats > 1 && faults::is_active(Fault::PermutedExperts) {
+            // A loader that laid out the 3-D expert tensor in the wrong order.
+            let size = self.mat_bytes();
+            let mut o = out.into_owned();
+            if size > 0 && o.len() == size * self.n_mats {
+                o.rotate_left(size);
+            }
+            out = Cow::Owned(o);
+        }
+        if self.ty == GgmlType::Q4K && faults::is_active(Fault::WrongDequantScale) {
+            out = Cow::Owned(q4k_with_wrong_scale(&out));
+        }
+        out
+    }
+}
+
+/// The `wrong-dequant-scale` fault: a copy of Q4_K blocks whose super-block scale `d` (the
+/// block's first two bytes, an f16) reads as `d × 1.0625`, as a dequantizer that misread the
+/// scale would. Only called while that fault is active.
+fn q4k_with_wrong_scale(data: &[u8]) -> Vec<u8> {
+    const BLOCK_BYTES: usize = 144; // size_of::<BlockQ4K>()
+    let mut copy = data.to_vec();
+    for block in copy.chunks_exact_mut(BLOCK_BYTES) {
+        let d = half::f16::from_le_bytes([block[0], block[1]]);
+        let wrong = half::f16::from_f32(d.to_f32() * 1.0625);
+        block[..2].copy_from_slice(&wrong.to_le_bytes());
+    }
+    copy
 }
 
 /// Reads tensors from a [`Gguf`], checking names, shapes, types and byte lengths.
@@ -120,6 +274,7 @@ impl<'a> Loader<'a> {
             n_rows: dims.get(1).copied().unwrap_or(1),
             n_mats: dims.get(2).copied().unwrap_or(1),
             row_bytes: k_dim / ty.block_size() * ty.type_size(),
+            view: None,
         })
     }
 

@@ -5,12 +5,17 @@
 //! RoPE angles by repeated multiplication in f32, softmax sums in f64). Work runs on the
 //! backend's own rayon pool, sized at construction; the ISA is chosen once, at construction.
 
+use std::borrow::Cow;
+
+use half::f16;
 use kernels::cpu::{CpuKernels, Isa};
+use kernels::quant::{dequantize, GgmlType};
 use rayon::prelude::*;
 
-use crate::model::{Activation, RopeConfig, RopeStyle};
+use crate::faults::{self, Fault};
+use crate::model::{Activation, Gating, MoeConfig, RopeConfig, RopeStyle};
 
-use super::backend::{AttnParams, Backend, MatRef};
+use super::backend::{AttnMeta, Backend, KvDtype, KvSource, Strided, WeightData};
 use super::error::check_len;
 use super::RuntimeError;
 
@@ -54,20 +59,6 @@ impl CpuBackend {
     pub fn isa(&self) -> Isa {
         self.kernels.isa()
     }
-}
-
-/// The `wrong-dequant-scale` fault: a copy of Q4_K blocks whose super-block scale `d` (the
-/// block's first two bytes, an f16) reads as `d × 1.0625`, as a dequantizer that misread the
-/// scale would. Only called while that fault is active.
-fn q4k_with_wrong_scale(data: &[u8]) -> Vec<u8> {
-    const BLOCK_BYTES: usize = 144; // size_of::<BlockQ4K>()
-    let mut copy = data.to_vec();
-    for block in copy.chunks_exact_mut(BLOCK_BYTES) {
-        let d = half::f16::from_le_bytes([block[0], block[1]]);
-        let wrong = half::f16::from_f32(d.to_f32() * 1.0625);
-        block[..2].copy_from_slice(&wrong.to_le_bytes());
-    }
-    copy
 }
 
 /// ggml's RMSNorm of one row: the mean of squares summed in f64, then `x · 1/√(mean + eps)`,
@@ -175,29 +166,64 @@ fn silu(x: f32) -> f32 {
     x / (1.0 + (-x).exp())
 }
 
-/// One query head against the cache: scores, masked softmax, weighted sum of values.
-#[allow(clippy::too_many_arguments)]
-fn attend_one(
+/// A KV row element: f32 or f16 storage.
+trait KvElem: Copy + Send + Sync {
+    fn f32(self) -> f32;
+}
+
+impl KvElem for f32 {
+    #[inline(always)]
+    fn f32(self) -> f32 {
+        self
+    }
+}
+
+impl KvElem for f16 {
+    #[inline(always)]
+    fn f32(self) -> f32 {
+        self.to_f32()
+    }
+}
+
+/// Keys and values of every cell as one attention call reads them.
+struct KvRows<'a, E> {
+    k: &'a [E],
+    v: &'a [E],
+    k_stride: usize,
+    v_stride: usize,
+}
+
+/// One query head against the cells its mask lets it see: scores, softmax (sum in f64, as
+/// ggml), weighted sum of values. Cells are visited in index order.
+fn attend_one<E: KvElem>(
     q: &[f32],
-    k: &[f32],
-    v: &[f32],
+    kv: &KvRows<'_, E>,
     kv_head: usize,
-    pos: usize,
-    p: &AttnParams,
-    scores: &mut Vec<f32>,
+    t: usize,
+    m: &AttnMeta<'_>,
+    scratch: &mut (Vec<f32>, Vec<u32>),
     out: &mut [f32],
 ) {
-    let k_stride = p.n_head_kv * p.head_dim_k;
-    let v_stride = p.n_head_kv * p.head_dim_v;
-    let first = match p.window {
-        Some(w) => (pos + 1).saturating_sub(w),
-        None => 0,
-    };
+    let (scores, cells) = scratch;
+    let query = m.queries[t];
+    let anc = m.ancestors_of(t);
+    cells.clear();
+    cells.extend(
+        m.cells
+            .iter()
+            .enumerate()
+            .filter(|(_, &c)| m.mask.visible(query, c, anc))
+            .map(|(j, _)| j as u32),
+    );
+    out.fill(0.0);
+    if cells.is_empty() {
+        return;
+    }
     scores.clear();
     let mut max = f32::NEG_INFINITY;
-    for j in first..=pos {
-        let kr = &k[j * k_stride + kv_head * p.head_dim_k..][..p.head_dim_k];
-        let s = q.iter().zip(kr).map(|(a, b)| a * b).sum::<f32>() * p.scale;
+    for &j in cells.iter() {
+        let kr = &kv.k[j as usize * kv.k_stride + kv_head * m.head_dim_k..][..m.head_dim_k];
+        let s = q.iter().zip(kr).map(|(a, b)| a * b.f32()).sum::<f32>() * m.scale;
         max = max.max(s);
         scores.push(s);
     }
@@ -207,17 +233,183 @@ fn attend_one(
         sum += f64::from(*s);
     }
     let inv = (1.0 / sum) as f32;
-    out.fill(0.0);
-    for (idx, j) in (first..=pos).enumerate() {
-        let w = scores[idx] * inv;
-        let vr = &v[j * v_stride + kv_head * p.head_dim_v..][..p.head_dim_v];
+    for (&w, &j) in scores.iter().zip(cells.iter()) {
+        let w = w * inv;
+        let vr = &kv.v[j as usize * kv.v_stride + kv_head * m.head_dim_v..][..m.head_dim_v];
         for (o, &x) in out.iter_mut().zip(vr) {
-            *o += w * x;
+            *o += w * x.f32();
         }
     }
 }
 
+/// One token's routing: expert ids in rank order and their weights (see [`Backend::route`]).
+pub(crate) fn route_one(
+    logits: &[f32],
+    bias: Option<&[f32]>,
+    moe: &MoeConfig,
+) -> (Vec<usize>, Vec<f32>) {
+    let probs: Vec<f32> = match moe.gating {
+        Gating::Softmax => {
+            let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let e: Vec<f32> = logits.iter().map(|&l| (l - max).exp()).collect();
+            let sum: f64 = e.iter().map(|&v| f64::from(v)).sum();
+            let inv = (1.0 / sum) as f32;
+            e.iter().map(|&v| v * inv).collect()
+        }
+        Gating::Sigmoid => logits.iter().map(|&l| 1.0 / (1.0 + (-l).exp())).collect(),
+    };
+    let select: Vec<f32> = match bias {
+        Some(b) => probs.iter().zip(b).map(|(p, b)| p + b).collect(),
+        None => probs.clone(),
+    };
+    let mut order: Vec<usize> = (0..probs.len()).collect();
+    // Descending by selection score; NaN last; ties keep the lower id first.
+    order.sort_by(|&a, &b| {
+        select[b]
+            .partial_cmp(&select[a])
+            .unwrap_or_else(|| select[a].is_nan().cmp(&select[b].is_nan()))
+    });
+    let k = moe.n_expert_used.min(order.len());
+    let mut chosen: Vec<usize> = order[..k].to_vec();
+    if faults::is_active(Fault::WrongRouterTopK) && order.len() > k && k > 0 {
+        chosen[k - 1] = order[k];
+    }
+    let mut weights: Vec<f32> = chosen.iter().map(|&e| probs[e]).collect();
+    if moe.weights_norm {
+        // llama.cpp clamps the sum at the smallest normal f16 before dividing.
+        let sum = weights.iter().sum::<f32>().max(6.103_515_6e-5);
+        weights.iter_mut().for_each(|w| *w /= sum);
+    }
+    weights.iter_mut().for_each(|w| *w *= moe.weights_scale);
+    (chosen, weights)
+}
+
+/// A weight as the CPU keeps it: the file's bytes (borrowed from the map when possible).
+#[derive(Debug)]
+pub struct CpuMat<'w> {
+    name: String,
+    ty: GgmlType,
+    k_dim: usize,
+    n_rows: usize,
+    n_mats: usize,
+    data: Cow<'w, [u8]>,
+}
+
+impl CpuMat<'_> {
+    fn mat_bytes(&self) -> usize {
+        self.data.len() / self.n_mats.max(1)
+    }
+
+    /// Matrix `e` of the stack.
+    fn matrix(&self, e: usize) -> Result<&[u8], RuntimeError> {
+        let size = self.mat_bytes();
+        self.data
+            .get(e * size..(e + 1) * size)
+            .ok_or(RuntimeError::Shape {
+                op: "expert id (< number of experts)",
+                expected: self.n_mats,
+                found: e,
+            })
+    }
+
+    fn kernel_err(&self, source: kernels::cpu::KernelError) -> RuntimeError {
+        RuntimeError::Kernel {
+            name: self.name.clone(),
+            source,
+        }
+    }
+}
+
+/// Storage of one side (keys or values) of a CPU cache layer.
+#[derive(Debug, Clone)]
+enum KvStore {
+    F32(Vec<f32>),
+    F16(Vec<f16>),
+}
+
+/// One layer of the CPU KV cache: `n_cells` rows of keys and of values.
+#[derive(Debug, Clone)]
+pub struct CpuKv {
+    k: KvStore,
+    v: KvStore,
+    k_width: usize,
+    v_width: usize,
+    n_cells: usize,
+}
+
+impl KvStore {
+    fn new(dtype: KvDtype) -> KvStore {
+        match dtype {
+            KvDtype::F32 => KvStore::F32(Vec::new()),
+            KvDtype::F16 => KvStore::F16(Vec::new()),
+        }
+    }
+
+    fn resize(&mut self, n: usize) {
+        match self {
+            KvStore::F32(v) => v.resize(n, 0.0),
+            KvStore::F16(v) => v.resize(n, f16::ZERO),
+        }
+    }
+
+    fn write(&mut self, at: usize, src: &[f32]) {
+        match self {
+            KvStore::F32(v) => v[at..at + src.len()].copy_from_slice(src),
+            KvStore::F16(v) => {
+                for (d, &s) in v[at..at + src.len()].iter_mut().zip(src) {
+                    *d = f16::from_f32(s);
+                }
+            }
+        }
+    }
+
+    /// Values `at..at + out.len()` as f32 (exact: f16 widens).
+    fn read_at(&self, at: usize, out: &mut [f32]) {
+        let n = out.len();
+        match self {
+            KvStore::F32(v) => out.copy_from_slice(&v[at..at + n]),
+            KvStore::F16(v) => {
+                for (o, &s) in out.iter_mut().zip(&v[at..at + n]) {
+                    *o = s.to_f32();
+                }
+            }
+        }
+    }
+
+    fn read(&self, n: usize, out: &mut [f32]) {
+        self.read_at(0, &mut out[..n]);
+    }
+}
+
+fn shape(op: &'static str, expected: usize, found: usize) -> RuntimeError {
+    RuntimeError::Shape {
+        op,
+        expected,
+        found,
+    }
+}
+
+impl CpuBackend {
+    fn attend<E: KvElem>(&self, q: &[f32], kv: KvRows<'_, E>, m: &AttnMeta<'_>, out: &mut [f32]) {
+        let group = m.n_head / m.n_head_kv;
+        self.pool.install(|| {
+            out.par_chunks_mut(m.head_dim_v).enumerate().for_each_init(
+                || (Vec::new(), Vec::new()),
+                |scratch, (i, o)| {
+                    let (t, h) = (i / m.n_head, i % m.n_head);
+                    let qh = &q[(t * m.n_head + h) * m.head_dim_k..][..m.head_dim_k];
+                    attend_one(qh, &kv, h / group, t, m, scratch, o);
+                },
+            );
+        });
+    }
+}
 impl Backend for CpuBackend {
+    type Buf = Vec<f32>;
+    type Ids = Vec<u32>;
+    type Mat<'w> = CpuMat<'w>;
+    type Kv = CpuKv;
+
     fn name(&self) -> String {
         format!("cpu-{}", self.kernels.isa().name())
     }
@@ -226,48 +418,173 @@ impl Backend for CpuBackend {
         self.threads
     }
 
+    fn alloc(&self, n: usize) -> Result<Vec<f32>, RuntimeError> {
+        Ok(vec![0.0; n])
+    }
+
+    fn upload(&self, data: &[f32]) -> Result<Vec<f32>, RuntimeError> {
+        Ok(data.to_vec())
+    }
+
+    fn upload_ids(&self, ids: &[u32]) -> Result<Vec<u32>, RuntimeError> {
+        Ok(ids.to_vec())
+    }
+
+    fn download(&self, buf: &Vec<f32>, out: &mut Vec<f32>) -> Result<(), RuntimeError> {
+        out.clear();
+        out.extend_from_slice(buf);
+        Ok(())
+    }
+
+    fn buf_len(&self, buf: &Vec<f32>) -> usize {
+        buf.len()
+    }
+
+    fn prepare<'w>(&self, w: WeightData<'w>) -> Result<CpuMat<'w>, RuntimeError>
+    where
+        Self: 'w,
+    {
+        if !self.kernels.supports(w.ty) {
+            return Err(RuntimeError::Kernel {
+                name: w.name.to_owned(),
+                source: kernels::cpu::KernelError::UnsupportedType { ty: w.ty },
+            });
+        }
+        let row_bytes = w.k_dim / w.ty.block_size() * w.ty.type_size();
+        if !w.k_dim.is_multiple_of(w.ty.block_size()) {
+            return Err(shape(
+                "weight row (a whole number of blocks)",
+                w.ty.block_size(),
+                w.k_dim,
+            ));
+        }
+        check_len(
+            "weight bytes",
+            w.n_mats * w.n_rows * row_bytes,
+            w.data.len(),
+        )?;
+        Ok(CpuMat {
+            name: w.name.to_owned(),
+            ty: w.ty,
+            k_dim: w.k_dim,
+            n_rows: w.n_rows,
+            n_mats: w.n_mats,
+            data: w.data,
+        })
+    }
+
     fn matmul(
         &self,
-        w: &MatRef<'_>,
-        x: &[f32],
+        w: &CpuMat<'_>,
+        x: &Vec<f32>,
         n_tokens: usize,
-        out: &mut [f32],
+        out: &mut Vec<f32>,
     ) -> Result<(), RuntimeError> {
-        let faulty;
-        let data = if crate::faults::is_active(crate::faults::Fault::WrongDequantScale)
-            && w.ty == kernels::quant::GgmlType::Q4K
-        {
-            faulty = q4k_with_wrong_scale(w.data);
-            &faulty[..]
-        } else {
-            w.data
-        };
+        let data = w.matrix(0)?;
         self.pool
             .install(|| {
                 self.kernels
                     .matmul(w.ty, data, w.n_rows, w.k_dim, x, n_tokens, out)
             })
-            .map_err(|source| RuntimeError::Kernel {
-                name: w.name.to_owned(),
+            .map_err(|e| w.kernel_err(e))
+    }
+
+    fn matmul_experts(
+        &self,
+        w: &CpuMat<'_>,
+        x: &Vec<f32>,
+        x_per_slot: bool,
+        ids: &Vec<u32>,
+        n_tokens: usize,
+        k: usize,
+        out: &mut Vec<f32>,
+    ) -> Result<(), RuntimeError> {
+        let (kd, nr) = (w.k_dim, w.n_rows);
+        check_len("expert ids", n_tokens * k, ids.len())?;
+        let x_rows = if x_per_slot { n_tokens * k } else { n_tokens };
+        check_len("expert input", x_rows * kd, x.len())?;
+        check_len("expert output", n_tokens * k * nr, out.len())?;
+        // Each expert runs once over all the slots routed to it.
+        let mut slots: Vec<Vec<usize>> = vec![Vec::new(); w.n_mats];
+        for (slot, &e) in ids.iter().enumerate() {
+            slots
+                .get_mut(e as usize)
+                .ok_or(shape(
+                    "expert id (< number of experts)",
+                    w.n_mats,
+                    e as usize,
+                ))?
+                .push(slot);
+        }
+        let (mut xs, mut ys) = (Vec::new(), Vec::new());
+        for (e, routed) in slots.iter().enumerate() {
+            if routed.is_empty() {
+                continue;
+            }
+            xs.clear();
+            for &slot in routed {
+                let row = if x_per_slot { slot } else { slot / k };
+                xs.extend_from_slice(&x[row * kd..(row + 1) * kd]);
+            }
+            ys.clear();
+            ys.resize(routed.len() * nr, 0.0);
+            let data = w.matrix(e)?;
+            self.pool
+                .install(|| {
+                    self.kernels
+                        .matmul(w.ty, data, nr, kd, &xs, routed.len(), &mut ys)
+                })
+                .map_err(|err| w.kernel_err(err))?;
+            for (&slot, y) in routed.iter().zip(ys.chunks_exact(nr)) {
+                out[slot * nr..(slot + 1) * nr].copy_from_slice(y);
+            }
+        }
+        Ok(())
+    }
+
+    fn embed(
+        &self,
+        w: &CpuMat<'_>,
+        tokens: &Vec<u32>,
+        n_tokens: usize,
+        out: &mut Vec<f32>,
+    ) -> Result<(), RuntimeError> {
+        check_len("embedding tokens", n_tokens, tokens.len())?;
+        check_len("embedding output", n_tokens * w.k_dim, out.len())?;
+        let row_bytes = w.k_dim / w.ty.block_size() * w.ty.type_size();
+        let data = w.matrix(0)?;
+        for (&t, row) in tokens.iter().zip(out.chunks_exact_mut(w.k_dim)) {
+            let t = t as usize;
+            let bytes = data.get(t * row_bytes..(t + 1) * row_bytes).ok_or(
+                RuntimeError::TokenOutOfRange {
+                    token: t as u32,
+                    index: 0,
+                    n_vocab: w.n_rows,
+                },
+            )?;
+            dequantize(w.ty, bytes, row).map_err(|source| RuntimeError::Dequantize {
+                name: w.name.clone(),
                 source,
-            })
+            })?;
+        }
+        Ok(())
     }
 
     fn rms_norm(
         &self,
-        x: &[f32],
-        weight: &[f32],
+        x: &Vec<f32>,
+        weight: &Vec<f32>,
         eps: f32,
-        out: &mut [f32],
+        out: &mut Vec<f32>,
     ) -> Result<(), RuntimeError> {
         let n = weight.len();
         check_len("rms_norm output", x.len(), out.len())?;
         if n == 0 || !x.len().is_multiple_of(n) {
-            return Err(RuntimeError::Shape {
-                op: "rms_norm input (a multiple of the weight length)",
-                expected: n,
-                found: x.len(),
-            });
+            return Err(shape(
+                "rms_norm input (a multiple of the weight length)",
+                n,
+                x.len(),
+            ));
         }
         for (xr, or) in x.chunks_exact(n).zip(out.chunks_exact_mut(n)) {
             rms_norm_row(xr, weight, eps, or);
@@ -277,17 +594,17 @@ impl Backend for CpuBackend {
 
     fn rms_norm_inplace(
         &self,
-        x: &mut [f32],
-        weight: &[f32],
+        x: &mut Vec<f32>,
+        weight: &Vec<f32>,
         eps: f32,
     ) -> Result<(), RuntimeError> {
         let n = weight.len();
         if n == 0 || !x.len().is_multiple_of(n) {
-            return Err(RuntimeError::Shape {
-                op: "rms_norm input (a multiple of the weight length)",
-                expected: n,
-                found: x.len(),
-            });
+            return Err(shape(
+                "rms_norm input (a multiple of the weight length)",
+                n,
+                x.len(),
+            ));
         }
         let mut row = vec![0f32; n];
         for xr in x.chunks_exact_mut(n) {
@@ -299,24 +616,26 @@ impl Backend for CpuBackend {
 
     fn rope(
         &self,
-        x: &mut [f32],
-        n_tokens: usize,
+        x: &mut Vec<f32>,
         n_heads: usize,
         head_dim: usize,
-        pos0: usize,
+        positions: &[u32],
         rope: &RopeConfig,
     ) -> Result<(), RuntimeError> {
-        check_len("rope input", n_tokens * n_heads * head_dim, x.len())?;
+        check_len("rope input", positions.len() * n_heads * head_dim, x.len())?;
         if rope.n_rot > head_dim || !rope.n_rot.is_multiple_of(2) {
-            return Err(RuntimeError::Shape {
-                op: "rope dimensions (even, at most the head width)",
-                expected: head_dim,
-                found: rope.n_rot,
-            });
+            return Err(shape(
+                "rope dimensions (even, at most the head width)",
+                head_dim,
+                rope.n_rot,
+            ));
+        }
+        if x.is_empty() {
+            return Ok(());
         }
         let mut cache = Vec::with_capacity(rope.n_rot / 2);
-        for (t, row) in x.chunks_exact_mut(n_heads * head_dim).enumerate() {
-            rope_cache(pos0 + t, rope, &mut cache);
+        for (&pos, row) in positions.iter().zip(x.chunks_exact_mut(n_heads * head_dim)) {
+            rope_cache(pos as usize, rope, &mut cache);
             for head in row.chunks_exact_mut(head_dim) {
                 rope_head(&mut head[..rope.n_rot], &cache, rope.style);
             }
@@ -324,59 +643,12 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn attention(
+    fn gated_act(
         &self,
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-        p: &AttnParams,
-        out: &mut [f32],
+        act: Activation,
+        gate: &mut Vec<f32>,
+        up: &Vec<f32>,
     ) -> Result<(), RuntimeError> {
-        check_len("attention q", p.n_tokens * p.n_head * p.head_dim_k, q.len())?;
-        check_len("attention k", p.n_kv * p.n_head_kv * p.head_dim_k, k.len())?;
-        check_len("attention v", p.n_kv * p.n_head_kv * p.head_dim_v, v.len())?;
-        check_len(
-            "attention out",
-            p.n_tokens * p.n_head * p.head_dim_v,
-            out.len(),
-        )?;
-        if p.n_tokens > p.n_kv || p.n_head_kv == 0 || !p.n_head.is_multiple_of(p.n_head_kv) {
-            return Err(RuntimeError::Shape {
-                op: "attention (n_tokens <= n_kv, n_head a multiple of n_head_kv)",
-                expected: p.n_kv,
-                found: p.n_tokens,
-            });
-        }
-        let group = p.n_head / p.n_head_kv;
-        let pos0 = p.n_kv - p.n_tokens;
-        self.pool.install(|| {
-            out.par_chunks_mut(p.head_dim_v).enumerate().for_each_init(
-                Vec::new,
-                |scores, (i, o)| {
-                    let (t, h) = (i / p.n_head, i % p.n_head);
-                    let qh = &q[(t * p.n_head + h) * p.head_dim_k..][..p.head_dim_k];
-                    attend_one(qh, k, v, h / group, pos0 + t, p, scores, o);
-                },
-            );
-        });
-        Ok(())
-    }
-
-    fn add(&self, x: &mut [f32], y: &[f32]) -> Result<(), RuntimeError> {
-        check_len("add", x.len(), y.len())?;
-        for (a, b) in x.iter_mut().zip(y) {
-            *a += b;
-        }
-        Ok(())
-    }
-
-    fn scale(&self, x: &mut [f32], s: f32) {
-        for a in x.iter_mut() {
-            *a *= s;
-        }
-    }
-
-    fn gated_act(&self, act: Activation, gate: &mut [f32], up: &[f32]) -> Result<(), RuntimeError> {
         check_len("gated activation", gate.len(), up.len())?;
         match act {
             Activation::Silu => gate.iter_mut().zip(up).for_each(|(g, u)| *g = silu(*g) * u),
@@ -388,17 +660,334 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn softcap(&self, x: &mut [f32], cap: f32) {
+    fn softcap(&self, x: &mut Vec<f32>, cap: f32) -> Result<(), RuntimeError> {
         let inv = 1.0 / cap;
         for a in x.iter_mut() {
             *a = (*a * inv).tanh() * cap;
         }
+        Ok(())
+    }
+
+    fn add(&self, x: &mut Vec<f32>, y: &Vec<f32>) -> Result<(), RuntimeError> {
+        check_len("add", x.len(), y.len())?;
+        for (a, b) in x.iter_mut().zip(y) {
+            *a += b;
+        }
+        Ok(())
+    }
+
+    fn add_row(&self, x: &mut Vec<f32>, row: &Vec<f32>) -> Result<(), RuntimeError> {
+        if row.is_empty() || !x.len().is_multiple_of(row.len()) {
+            return Err(shape(
+                "add_row (a multiple of the row length)",
+                row.len(),
+                x.len(),
+            ));
+        }
+        for xr in x.chunks_exact_mut(row.len()) {
+            for (a, &c) in xr.iter_mut().zip(row) {
+                *a += c;
+            }
+        }
+        Ok(())
+    }
+
+    fn scale(&self, x: &mut Vec<f32>, s: f32) -> Result<(), RuntimeError> {
+        for a in x.iter_mut() {
+            *a *= s;
+        }
+        Ok(())
+    }
+
+    fn copy(&self, src: &Vec<f32>, dst: &mut Vec<f32>) -> Result<(), RuntimeError> {
+        check_len("copy", dst.len(), src.len())?;
+        dst.copy_from_slice(src);
+        Ok(())
+    }
+
+    fn fill(
+        &self,
+        x: &mut Vec<f32>,
+        start: usize,
+        len: usize,
+        value: f32,
+    ) -> Result<(), RuntimeError> {
+        let n = x.len();
+        x.get_mut(start..start.saturating_add(len))
+            .ok_or(shape("fill range", n, start.saturating_add(len)))?
+            .fill(value);
+        Ok(())
+    }
+
+    fn copy_strided(
+        &self,
+        src: &Vec<f32>,
+        s: Strided,
+        dst: &mut Vec<f32>,
+        d: Strided,
+        n_rows: usize,
+        n_groups: usize,
+        len: usize,
+    ) -> Result<(), RuntimeError> {
+        if n_rows == 0 || n_groups == 0 || len == 0 {
+            return Ok(());
+        }
+        let last = |p: Strided| {
+            (n_rows - 1) * p.row_stride + (n_groups - 1) * p.group_stride + p.offset + len
+        };
+        if last(s) > src.len() {
+            return Err(shape("copy_strided source", last(s), src.len()));
+        }
+        if last(d) > dst.len() {
+            return Err(shape("copy_strided destination", last(d), dst.len()));
+        }
+        for r in 0..n_rows {
+            for g in 0..n_groups {
+                let a = r * s.row_stride + g * s.group_stride + s.offset;
+                let b = r * d.row_stride + g * d.group_stride + d.offset;
+                dst[b..b + len].copy_from_slice(&src[a..a + len]);
+            }
+        }
+        Ok(())
+    }
+
+    fn gather_rows(
+        &self,
+        x: &Vec<f32>,
+        width: usize,
+        rows: &[u32],
+        out: &mut Vec<f32>,
+    ) -> Result<(), RuntimeError> {
+        check_len("gather_rows output", rows.len() * width, out.len())?;
+        for (&r, o) in rows.iter().zip(out.chunks_exact_mut(width.max(1))) {
+            let r = r as usize;
+            let src = x.get(r * width..(r + 1) * width).ok_or(shape(
+                "gather_rows row",
+                x.len() / width.max(1),
+                r,
+            ))?;
+            o.copy_from_slice(src);
+        }
+        Ok(())
+    }
+
+    fn route(
+        &self,
+        logits: &Vec<f32>,
+        bias: Option<&Vec<f32>>,
+        moe: &MoeConfig,
+        n_tokens: usize,
+        ids: &mut Vec<u32>,
+        weights: &mut Vec<f32>,
+    ) -> Result<(), RuntimeError> {
+        let (ne, k) = (moe.n_expert, moe.n_expert_used);
+        check_len("router logits", n_tokens * ne, logits.len())?;
+        if let Some(b) = bias {
+            check_len("router bias", ne, b.len())?;
+        }
+        if k > ne {
+            return Err(shape("experts used (at most the experts)", ne, k));
+        }
+        check_len("routed ids", n_tokens * k, ids.len())?;
+        check_len("routed weights", n_tokens * k, weights.len())?;
+        for (t, row) in logits.chunks_exact(ne).enumerate() {
+            let (chosen, w) = route_one(row, bias.map(|b| &b[..]), moe);
+            for (s, (&e, &wt)) in chosen.iter().zip(&w).enumerate() {
+                ids[t * k + s] = e as u32;
+                weights[t * k + s] = wt;
+            }
+        }
+        Ok(())
+    }
+
+    fn moe_combine(
+        &self,
+        y: &Vec<f32>,
+        weights: &Vec<f32>,
+        n_tokens: usize,
+        k: usize,
+        out: &mut Vec<f32>,
+    ) -> Result<(), RuntimeError> {
+        check_len("combine weights", n_tokens * k, weights.len())?;
+        if n_tokens == 0 || k == 0 {
+            return Ok(());
+        }
+        let d = out.len() / n_tokens;
+        check_len("combine output", n_tokens * d, out.len())?;
+        check_len("combine input", n_tokens * k * d, y.len())?;
+        for (t, o) in out.chunks_exact_mut(d).enumerate() {
+            // Each slot's output is scaled by its weight first, then the slots are added in
+            // rank order, as llama.cpp adds the selected experts' views.
+            for s in 0..k {
+                let wt = weights[t * k + s];
+                let src = &y[(t * k + s) * d..(t * k + s + 1) * d];
+                if s == 0 {
+                    o.iter_mut().zip(src).for_each(|(a, &b)| *a = b * wt);
+                } else {
+                    o.iter_mut().zip(src).for_each(|(a, &b)| *a += b * wt);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn kv_new(
+        &self,
+        k_width: usize,
+        v_width: usize,
+        dtype: KvDtype,
+    ) -> Result<CpuKv, RuntimeError> {
+        Ok(CpuKv {
+            k: KvStore::new(dtype),
+            v: KvStore::new(dtype),
+            k_width,
+            v_width,
+            n_cells: 0,
+        })
+    }
+
+    fn kv_reserve(&self, kv: &mut CpuKv, n_cells: usize) -> Result<(), RuntimeError> {
+        if n_cells > kv.n_cells {
+            kv.k.resize(n_cells * kv.k_width);
+            kv.v.resize(n_cells * kv.v_width);
+            kv.n_cells = n_cells;
+        }
+        Ok(())
+    }
+
+    fn kv_write(
+        &self,
+        kv: &mut CpuKv,
+        cells: &[u32],
+        k: &Vec<f32>,
+        v: &Vec<f32>,
+    ) -> Result<(), RuntimeError> {
+        check_len("kv_write keys", cells.len() * kv.k_width, k.len())?;
+        check_len("kv_write values", cells.len() * kv.v_width, v.len())?;
+        for (i, &c) in cells.iter().enumerate() {
+            let c = c as usize;
+            if c >= kv.n_cells {
+                return Err(shape("kv_write cell (< reserved cells)", kv.n_cells, c));
+            }
+            kv.k.write(c * kv.k_width, &k[i * kv.k_width..(i + 1) * kv.k_width]);
+            kv.v.write(c * kv.v_width, &v[i * kv.v_width..(i + 1) * kv.v_width]);
+        }
+        Ok(())
+    }
+
+    fn kv_move(&self, kv: &mut CpuKv, moves: &[(u32, u32)]) -> Result<(), RuntimeError> {
+        let (kw, vw) = (kv.k_width, kv.v_width);
+        if let Some(&(a, b)) = moves
+            .iter()
+            .find(|&&(a, b)| a.max(b) as usize >= kv.n_cells)
+        {
+            return Err(shape(
+                "kv_move cell (< reserved cells)",
+                kv.n_cells,
+                a.max(b) as usize,
+            ));
+        }
+        let (mut k, mut v) = (vec![0f32; moves.len() * kw], vec![0f32; moves.len() * vw]);
+        for (i, &(from, _)) in moves.iter().enumerate() {
+            kv.k.read_at(from as usize * kw, &mut k[i * kw..(i + 1) * kw]);
+            kv.v.read_at(from as usize * vw, &mut v[i * vw..(i + 1) * vw]);
+        }
+        for (i, &(_, to)) in moves.iter().enumerate() {
+            kv.k.write(to as usize * kw, &k[i * kw..(i + 1) * kw]);
+            kv.v.write(to as usize * vw, &v[i * vw..(i + 1) * vw]);
+        }
+        Ok(())
+    }
+
+    fn kv_read_k(
+        &self,
+        kv: &CpuKv,
+        n_cells: usize,
+        out: &mut Vec<f32>,
+    ) -> Result<(), RuntimeError> {
+        if n_cells > kv.n_cells {
+            return Err(shape(
+                "kv_read_k cells (<= reserved cells)",
+                kv.n_cells,
+                n_cells,
+            ));
+        }
+        check_len("kv_read_k output", n_cells * kv.k_width, out.len())?;
+        kv.k.read(n_cells * kv.k_width, out);
+        Ok(())
+    }
+
+    fn attention(
+        &self,
+        q: &Vec<f32>,
+        kv: KvSource<'_, Self>,
+        m: &AttnMeta<'_>,
+        out: &mut Vec<f32>,
+    ) -> Result<(), RuntimeError> {
+        let n = m.queries.len();
+        let n_cells = m.cells.len();
+        check_len("attention q", n * m.n_head * m.head_dim_k, q.len())?;
+        check_len("attention out", n * m.n_head * m.head_dim_v, out.len())?;
+        if m.n_head_kv == 0 || !m.n_head.is_multiple_of(m.n_head_kv) {
+            return Err(shape(
+                "attention heads (n_head a multiple of n_head_kv)",
+                m.n_head_kv,
+                m.n_head,
+            ));
+        }
+        if m.mask.tree {
+            check_len("attention ancestors", n * m.anc_words, m.ancestors.len())?;
+        }
+        let (k_stride, v_stride) = (m.n_head_kv * m.head_dim_k, m.n_head_kv * m.head_dim_v);
+        match kv {
+            KvSource::Cache(c) => {
+                check_len("attention cache key width", k_stride, c.k_width)?;
+                check_len("attention cache value width", v_stride, c.v_width)?;
+                if n_cells > c.n_cells {
+                    return Err(shape("attention cells (<= reserved)", c.n_cells, n_cells));
+                }
+                match (&c.k, &c.v) {
+                    (KvStore::F32(k), KvStore::F32(v)) => {
+                        let rows = KvRows {
+                            k,
+                            v,
+                            k_stride,
+                            v_stride,
+                        };
+                        self.attend(q, rows, m, out)
+                    }
+                    (KvStore::F16(k), KvStore::F16(v)) => {
+                        let rows = KvRows {
+                            k,
+                            v,
+                            k_stride,
+                            v_stride,
+                        };
+                        self.attend(q, rows, m, out)
+                    }
+                    _ => return Err(shape("attention cache (one storage type)", 0, 1)),
+                }
+            }
+            KvSource::Bufs { k, v } => {
+                check_len("attention k", n_cells * k_stride, k.len())?;
+                check_len("attention v", n_cells * v_stride, v.len())?;
+                let rows = KvRows {
+                    k,
+                    v,
+                    k_stride,
+                    v_stride,
+                };
+                self.attend(q, rows, m, out)
+            }
+        }
+        Ok(())
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::runtime::backend::{CellMeta, Mask, QueryMeta};
 
     fn backend() -> CpuBackend {
         CpuBackend::new(Some(Isa::Scalar), Some(1)).unwrap_or_else(|e| panic!("{e}"))
@@ -418,9 +1007,9 @@ mod tests {
     fn rms_norm_unit_rows() {
         // A row of equal values v has mean square v², so every output is w (up to eps).
         let b = backend();
-        let x = [3.0f32; 8];
-        let w = [0.5f32; 4];
-        let mut out = [0f32; 8];
+        let x = vec![3.0f32; 8];
+        let w = vec![0.5f32; 4];
+        let mut out = vec![0f32; 8];
         b.rms_norm(&x, &w, 0.0, &mut out)
             .unwrap_or_else(|e| panic!("{e}"));
         for o in out {
@@ -435,10 +1024,10 @@ mod tests {
             let cfg = rope_cfg(style, 8);
             let x0: Vec<f32> = (0..16).map(|i| i as f32 * 0.1 - 0.7).collect();
             let mut x = x0.clone();
-            b.rope(&mut x, 1, 2, 8, 0, &cfg)
+            b.rope(&mut x, 2, 8, &[0], &cfg)
                 .unwrap_or_else(|e| panic!("{e}"));
             assert_eq!(x, x0);
-            b.rope(&mut x, 1, 2, 8, 7, &cfg)
+            b.rope(&mut x, 2, 8, &[7], &cfg)
                 .unwrap_or_else(|e| panic!("{e}"));
             let n0: f32 = x0.iter().map(|v| v * v).sum();
             let n1: f32 = x.iter().map(|v| v * v).sum();
@@ -453,45 +1042,197 @@ mod tests {
         // NeoX rotates (x0, x_{n/2}).
         let b = backend();
         let mut x = vec![1.0, 0.0, 0.0, 0.0];
-        b.rope(&mut x, 1, 1, 4, 1, &rope_cfg(RopeStyle::Normal, 4))
+        b.rope(&mut x, 1, 4, &[1], &rope_cfg(RopeStyle::Normal, 4))
             .unwrap_or_else(|e| panic!("{e}"));
         approx::assert_abs_diff_eq!(x[0], 1f32.cos(), epsilon = 1e-6);
         approx::assert_abs_diff_eq!(x[1], 1f32.sin(), epsilon = 1e-6);
         assert_eq!(x[2], 0.0);
         let mut x = vec![1.0, 0.0, 0.0, 0.0];
-        b.rope(&mut x, 1, 1, 4, 1, &rope_cfg(RopeStyle::Neox, 4))
+        b.rope(&mut x, 1, 4, &[1], &rope_cfg(RopeStyle::Neox, 4))
             .unwrap_or_else(|e| panic!("{e}"));
         approx::assert_abs_diff_eq!(x[0], 1f32.cos(), epsilon = 1e-6);
         approx::assert_abs_diff_eq!(x[2], 1f32.sin(), epsilon = 1e-6);
         assert_eq!(x[1], 0.0);
     }
 
-    #[test]
-    fn attention_window_masks_old_keys() {
-        // One head, dim 1, keys all equal: the output is the mean of the visible values.
-        let b = backend();
-        let v: Vec<f32> = (0..6).map(|i| i as f32).collect();
-        let k = vec![1.0f32; 6];
-        let q = vec![1.0f32; 1];
-        let mut p = AttnParams {
-            n_tokens: 1,
-            n_kv: 6,
+    fn cells(n: u32) -> Vec<CellMeta> {
+        (0..n)
+            .map(|pos| CellMeta {
+                pos,
+                seq: 0,
+                batch: CellMeta::COMMITTED,
+            })
+            .collect()
+    }
+
+    fn meta<'a>(
+        queries: &'a [QueryMeta],
+        cells: &'a [CellMeta],
+        mask: Mask,
+        ancestors: &'a [u64],
+    ) -> AttnMeta<'a> {
+        AttnMeta {
             n_head: 1,
             n_head_kv: 1,
             head_dim_k: 1,
             head_dim_v: 1,
             scale: 1.0,
-            window: None,
-        };
-        let mut out = [0f32];
-        b.attention(&q, &k, &v, &p, &mut out)
-            .unwrap_or_else(|e| panic!("{e}"));
-        approx::assert_abs_diff_eq!(out[0], 2.5, epsilon = 1e-6);
+            mask,
+            queries,
+            cells,
+            ancestors,
+            anc_words: usize::from(!ancestors.is_empty()),
+        }
+    }
+
+    /// One head, dim 1, keys all equal: the output is the mean of the visible values.
+    fn attend_mean(cells: &[CellMeta], q: QueryMeta, mask: Mask, anc: &[u64]) -> f32 {
+        let b = backend();
+        let v: Vec<f32> = (0..cells.len()).map(|i| i as f32).collect();
+        let k = vec![1.0f32; cells.len()];
+        let mut out = vec![0f32];
+        b.attention(
+            &vec![1.0],
+            KvSource::Bufs { k: &k, v: &v },
+            &meta(&[q], cells, mask, anc),
+            &mut out,
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        out[0]
+    }
+
+    #[test]
+    fn attention_window_masks_by_position_distance() {
+        let c = cells(6);
+        let q = QueryMeta { pos: 5, seq: 0 };
+        approx::assert_abs_diff_eq!(attend_mean(&c, q, Mask::CAUSAL, &[]), 2.5, epsilon = 1e-6);
         // Window 2 at position 5: keys 4 and 5 (llama.cpp masks p - j >= window).
-        p.window = Some(2);
-        b.attention(&q, &k, &v, &p, &mut out)
+        let w2 = Mask {
+            window: Some(2),
+            ..Mask::CAUSAL
+        };
+        approx::assert_abs_diff_eq!(attend_mean(&c, q, w2, &[]), 4.5, epsilon = 1e-6);
+        // The same positions in reversed cells: the mask follows positions, not rows.
+        let rev: Vec<CellMeta> = c.iter().rev().copied().collect();
+        approx::assert_abs_diff_eq!(attend_mean(&rev, q, w2, &[]), 0.5, epsilon = 1e-6);
+        // Causal: a query at position 2 sees 0..=2 only.
+        let q2 = QueryMeta { pos: 2, seq: 0 };
+        approx::assert_abs_diff_eq!(attend_mean(&c, q2, Mask::CAUSAL, &[]), 1.0, epsilon = 1e-6);
+    }
+
+    #[test]
+    fn attention_sees_only_its_sequence_and_its_tree_ancestors() {
+        let mut c = cells(4);
+        c[1].seq = 7; // another sequence's cell
+        c[2].seq = CellMeta::FREE;
+        let q = QueryMeta { pos: 3, seq: 0 };
+        // Visible: cells 0 and 3 (values 0 and 3).
+        approx::assert_abs_diff_eq!(attend_mean(&c, q, Mask::CAUSAL, &[]), 1.5, epsilon = 1e-6);
+        // Tree: cells 2 and 3 written by batch tokens 0 and 1; the query is token 1 whose
+        // ancestor set is {1}: token 0 (a sibling) is hidden.
+        let mut t = cells(4);
+        t[2] = CellMeta {
+            pos: 2,
+            seq: 0,
+            batch: 0,
+        };
+        t[3] = CellMeta {
+            pos: 2,
+            seq: 0,
+            batch: 1,
+        };
+        let tree = Mask {
+            tree: true,
+            ..Mask::CAUSAL
+        };
+        let q = QueryMeta { pos: 2, seq: 0 };
+        approx::assert_abs_diff_eq!(attend_mean(&t, q, tree, &[0b10]), 4.0 / 3.0, epsilon = 1e-6);
+        approx::assert_abs_diff_eq!(attend_mean(&t, q, Mask::CAUSAL, &[]), 1.5, epsilon = 1e-6);
+    }
+
+    #[test]
+    fn kv_move_reads_every_source_first_and_f16_rounds() {
+        let b = backend();
+        for dtype in [KvDtype::F32, KvDtype::F16] {
+            let mut kv = b.kv_new(1, 1, dtype).unwrap_or_else(|e| panic!("{e}"));
+            b.kv_reserve(&mut kv, 3).unwrap_or_else(|e| panic!("{e}"));
+            let vals = vec![1.0, 2.0, 3.000_1];
+            b.kv_write(&mut kv, &[0, 1, 2], &vals, &vals)
+                .unwrap_or_else(|e| panic!("{e}"));
+            // A swap: both rows read before either is written.
+            b.kv_move(&mut kv, &[(0, 1), (1, 0)])
+                .unwrap_or_else(|e| panic!("{e}"));
+            let mut k = vec![0f32; 3];
+            b.kv_read_k(&kv, 3, &mut k)
+                .unwrap_or_else(|e| panic!("{e}"));
+            assert_eq!(&k[..2], &[2.0, 1.0]);
+            let third = if dtype == KvDtype::F16 {
+                f16::from_f32(3.000_1).to_f32()
+            } else {
+                3.000_1
+            };
+            assert_eq!(k[2], third);
+            assert!(b.kv_write(&mut kv, &[3], &vec![0.0], &vec![0.0]).is_err());
+        }
+    }
+
+    fn moe(gating: Gating, norm: bool, scale: f32, k: usize) -> MoeConfig {
+        MoeConfig {
+            n_expert: 4,
+            n_expert_used: k,
+            n_expert_shared: 0,
+            n_ff_exp: 8,
+            n_dense_lead: 0,
+            weights_scale: scale,
+            weights_norm: norm,
+            gating,
+        }
+    }
+
+    #[test]
+    fn softmax_router_picks_top_k_by_probability() {
+        let logits = [0.0, 2.0, 1.0, -1.0];
+        let (ids, w) = route_one(&logits, None, &moe(Gating::Softmax, false, 1.0, 2));
+        assert_eq!(ids, [1, 2]);
+        // softmax(2) and softmax(1) over {0, 2, 1, -1}, computed by hand in f64.
+        let z: f64 = [0f64, 2.0, 1.0, -1.0].iter().map(|v| v.exp()).sum();
+        approx::assert_relative_eq!(w[0], (2f64.exp() / z) as f32, max_relative = 1e-6);
+        approx::assert_relative_eq!(w[1], (1f64.exp() / z) as f32, max_relative = 1e-6);
+    }
+
+    #[test]
+    fn bias_changes_the_choice_but_not_the_weights() {
+        let logits = [0.0, 2.0, 1.0, -1.0];
+        let bias = [0.0, 0.0, 0.0, 5.0];
+        let cfg = moe(Gating::Sigmoid, false, 1.0, 2);
+        let (ids, w) = route_one(&logits, Some(&bias), &cfg);
+        assert_eq!(ids, [3, 1]);
+        let sig = |x: f32| 1.0 / (1.0 + (-x).exp());
+        assert_eq!(w, [sig(-1.0), sig(2.0)]);
+    }
+
+    #[test]
+    fn weights_are_normalized_then_scaled() {
+        let logits = [0.0, 2.0, 1.0, -1.0];
+        let (_, w) = route_one(&logits, None, &moe(Gating::Sigmoid, true, 2.5, 3));
+        approx::assert_relative_eq!(w.iter().sum::<f32>(), 2.5, max_relative = 1e-6);
+    }
+
+    #[test]
+    fn route_op_writes_rank_ordered_ids_and_combine_sums_in_rank_order() {
+        let b = backend();
+        let cfg = moe(Gating::Softmax, true, 1.0, 2);
+        let logits = vec![0.0, 2.0, 1.0, -1.0, 3.0, 0.0, 0.0, 0.0];
+        let (mut ids, mut w) = (vec![0u32; 4], vec![0f32; 4]);
+        b.route(&logits, None, &cfg, 2, &mut ids, &mut w)
             .unwrap_or_else(|e| panic!("{e}"));
-        approx::assert_abs_diff_eq!(out[0], 4.5, epsilon = 1e-6);
+        assert_eq!(&ids[..], &[1, 2, 0, 1]);
+        let y = vec![1.0, 10.0, 100.0, 1000.0]; // [2 tokens × 2 slots, d = 1]
+        let mut out = vec![0f32; 2];
+        b.moe_combine(&y, &w, 2, 2, &mut out)
+            .unwrap_or_else(|e| panic!("{e}"));
+        approx::assert_relative_eq!(out[0], w[0] + 10.0 * w[1], max_relative = 1e-6);
+        assert!(b.route(&logits, None, &cfg, 3, &mut ids, &mut w).is_err());
     }
 
     #[test]
@@ -505,9 +1246,9 @@ mod tests {
     #[test]
     fn shape_errors_are_reported() {
         let b = backend();
-        let mut out = [0f32; 3];
+        let mut out = vec![0f32; 3];
         assert!(matches!(
-            b.rms_norm(&[1.0; 4], &[1.0; 2], 1e-6, &mut out),
+            b.rms_norm(&vec![1.0; 4], &vec![1.0; 2], 1e-6, &mut out),
             Err(RuntimeError::Shape { .. })
         ));
     }

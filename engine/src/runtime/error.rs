@@ -44,6 +44,24 @@ pub enum RuntimeError {
         n_ctx: usize,
     },
 
+    #[error("dequantizing {name}: {source}")]
+    Dequantize {
+        name: String,
+        #[source]
+        source: kernels::quant::QuantError,
+    },
+
+    #[error("batch token {index}: {reason}")]
+    BadBatch { index: usize, reason: String },
+
+    #[error("forward: the cache holds {n} pending cells of the last forward; commit, compact or roll back first")]
+    PendingCells { n: usize },
+
+    #[error(
+        "compact: index {index} is not a distinct pending token (the last forward had {n_pending})"
+    )]
+    BadCompact { index: usize, n_pending: usize },
+
     #[error(transparent)]
     Model(#[from] ModelError),
 }

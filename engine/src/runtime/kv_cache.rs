@@ -1,92 +1,294 @@
-//! The KV cache: per layer, the keys and values of every cached position, row = position.
+//! The KV cache: cells (rows) shared by every sequence, each tagged with its sequence and
+//! position; the rows themselves live on the backend, one [`Backend::Kv`] per layer.
 //!
-//! Sliding-window layers keep the full history too; the window is applied as a mask in
-//! attention, so every layer's row `j` is position `j`.
+//! Attention selects cells by sequence and position ([`super::Mask`]), never by row index, so a
+//! cell can sit anywhere. A forward writes its tokens to free cells as *pending*; the caller
+//! then [`commit`](KvCache::commit)s them (plain decoding), [`rollback`](KvCache::rollback)s
+//! them (an error, a rejected draft) or [`compact`](KvCache::compact)s them (tree speculation:
+//! keep the accepted path, moved into the lowest free cells, drop the rest).
+//!
+//! Sliding-window layers keep the whole history; the window is part of the mask. The MLA cache
+//! holds the latent form (the normed compressed kv and the roped shared key, `kv_lora_rank +
+//! qk_rope` values per cell, no values row) that DeepSeek-V3/Kimi K2 serve from; attention
+//! expands it with `attn_kv_b`.
 
 use crate::model::ModelConfig;
 
-#[derive(Debug, Clone)]
-struct LayerCache {
-    k: Vec<f32>,
-    v: Vec<f32>,
-    k_width: usize,
-    v_width: usize,
+use super::backend::{Backend, CellMeta, KvDtype, SeqId};
+use super::RuntimeError;
+
+/// Keys and values of every cached token, for every layer.
+pub struct KvCache<B: Backend> {
+    layers: Vec<B::Kv>,
+    cells: Vec<CellMeta>,
+    /// Free cells, highest first (so `pop` gives the lowest).
+    free: Vec<u32>,
+    /// Cells written by the last forward and not yet committed, in batch order.
+    pending: Vec<u32>,
+    capacity: usize,
+    dtype: KvDtype,
 }
 
-/// Keys and values of positions `0..len()` for every layer.
-#[derive(Debug, Clone)]
-pub struct KvCache {
-    layers: Vec<LayerCache>,
-    len: usize,
+impl<B: Backend> std::fmt::Debug for KvCache<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvCache")
+            .field("cells", &self.cells.len())
+            .field("used", &self.used())
+            .field("pending", &self.pending.len())
+            .field("capacity", &self.capacity)
+            .field("dtype", &self.dtype)
+            .finish()
+    }
 }
 
-impl KvCache {
-    /// An empty cache shaped for `config` (MLA in its expanded form: `n_head` heads).
-    pub fn new(config: &ModelConfig) -> KvCache {
-        let k_width = config.n_head_kv * config.head_dim_k;
-        let v_width = config.n_head_kv * config.head_dim_v;
-        KvCache {
-            layers: (0..config.n_layer)
-                .map(|_| LayerCache {
-                    k: Vec::new(),
-                    v: Vec::new(),
-                    k_width,
-                    v_width,
-                })
-                .collect(),
-            len: 0,
+impl<B: Backend> KvCache<B> {
+    /// An empty cache of at most `capacity` cells, shaped for `config`.
+    pub fn new(
+        be: &B,
+        config: &ModelConfig,
+        capacity: usize,
+        dtype: KvDtype,
+    ) -> Result<KvCache<B>, RuntimeError> {
+        let (kw, vw) = Self::widths_for(config);
+        let layers = (0..config.n_layer)
+            .map(|_| be.kv_new(kw, vw, dtype))
+            .collect::<Result<_, _>>()?;
+        Ok(KvCache {
+            layers,
+            cells: Vec::new(),
+            free: Vec::new(),
+            pending: Vec::new(),
+            capacity,
+            dtype,
+        })
+    }
+
+    /// Row widths `(k, v)` of a cell: `n_head_kv × head_dim` each, or for MLA the latent
+    /// `(kv_lora_rank + qk_rope, 0)`.
+    pub fn widths_for(config: &ModelConfig) -> (usize, usize) {
+        match config.mla {
+            Some(m) => (m.kv_lora_rank + m.qk_rope, 0),
+            None => (
+                config.n_head_kv * config.head_dim_k,
+                config.n_head_kv * config.head_dim_v,
+            ),
         }
     }
 
-    /// Committed positions.
-    pub fn len(&self) -> usize {
-        self.len
+    pub fn dtype(&self) -> KvDtype {
+        self.dtype
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
+    pub fn capacity(&self) -> usize {
+        self.capacity
     }
 
-    /// Row widths `(k, v)` of each layer.
-    pub fn widths(&self) -> (usize, usize) {
-        self.layers
-            .first()
-            .map_or((0, 0), |l| (l.k_width, l.v_width))
+    /// Cells in use (committed and pending).
+    pub fn used(&self) -> usize {
+        self.cells.len() - self.free.len()
     }
 
-    /// Append the new positions of layer `il` (`k`, `v`: whole rows).
-    pub(crate) fn append(&mut self, il: usize, k: &[f32], v: &[f32]) {
-        if let Some(l) = self.layers.get_mut(il) {
-            l.k.extend_from_slice(k);
-            l.v.extend_from_slice(v);
+    /// Every cell's metadata (attention reads it).
+    pub fn cells(&self) -> &[CellMeta] {
+        &self.cells
+    }
+
+    /// Cells written by the last forward and not yet committed, in batch order.
+    pub fn pending(&self) -> &[u32] {
+        &self.pending
+    }
+
+    /// The next position of `seq`: one past its highest committed position (0 when empty).
+    pub fn next_pos(&self, seq: SeqId) -> u32 {
+        self.cells
+            .iter()
+            .filter(|c| c.seq == seq && c.batch == CellMeta::COMMITTED)
+            .map(|c| c.pos + 1)
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Committed cells of `seq`.
+    pub fn seq_len(&self, seq: SeqId) -> usize {
+        self.cells
+            .iter()
+            .filter(|c| c.seq == seq && c.batch == CellMeta::COMMITTED)
+            .count()
+    }
+
+    pub(crate) fn layer(&self, il: usize) -> Option<&B::Kv> {
+        self.layers.get(il)
+    }
+
+    pub(crate) fn layer_mut(&mut self, il: usize) -> Option<&mut B::Kv> {
+        self.layers.get_mut(il)
+    }
+
+    /// Take `n` free cells for a forward's tokens (lowest first), tagged with their batch
+    /// index, sequence and position. Fails without change when the cache would overflow.
+    pub(crate) fn allocate(
+        &mut self,
+        be: &B,
+        seqs: &[SeqId],
+        positions: &[u32],
+    ) -> Result<Vec<u32>, RuntimeError> {
+        let n = seqs.len();
+        if !self.pending.is_empty() {
+            return Err(RuntimeError::PendingCells {
+                n: self.pending.len(),
+            });
+        }
+        if self.used() + n > self.capacity {
+            return Err(RuntimeError::ContextFull {
+                n_past: self.used(),
+                n_new: n,
+                n_ctx: self.capacity,
+            });
+        }
+        let grow = n.saturating_sub(self.free.len());
+        if grow > 0 {
+            let new_len = self.cells.len() + grow;
+            for kv in &mut self.layers {
+                be.kv_reserve(kv, new_len)?;
+            }
+            let first = self.cells.len() as u32;
+            self.cells.resize(
+                new_len,
+                CellMeta {
+                    pos: 0,
+                    seq: CellMeta::FREE,
+                    batch: CellMeta::COMMITTED,
+                },
+            );
+            self.free.extend((first..new_len as u32).rev());
+            self.free.sort_unstable_by(|a, b| b.cmp(a));
+        }
+        let mut out = Vec::with_capacity(n);
+        for (i, (&seq, &pos)) in seqs.iter().zip(positions).enumerate() {
+            let Some(c) = self.free.pop() else {
+                unreachable!("free cells were reserved above")
+            };
+            self.cells[c as usize] = CellMeta {
+                pos,
+                seq,
+                batch: i as u32,
+            };
+            out.push(c);
+        }
+        self.pending = out.clone();
+        Ok(out)
+    }
+
+    fn release(&mut self, cell: u32) {
+        if let Some(c) = self.cells.get_mut(cell as usize) {
+            c.seq = CellMeta::FREE;
+            c.batch = CellMeta::COMMITTED;
+            self.free.push(cell);
         }
     }
 
-    /// Everything layer `il` holds, committed and appended: `(k, v, n_positions)`.
-    pub(crate) fn layer(&self, il: usize) -> (&[f32], &[f32], usize) {
-        match self.layers.get(il) {
-            Some(l) if l.k_width > 0 => (&l.k, &l.v, l.k.len() / l.k_width),
-            _ => (&[], &[], 0),
+    fn sort_free(&mut self) {
+        self.free.sort_unstable_by(|a, b| b.cmp(a));
+    }
+
+    /// Keep every pending cell.
+    pub fn commit(&mut self) {
+        for &c in &self.pending {
+            self.cells[c as usize].batch = CellMeta::COMMITTED;
         }
+        self.pending.clear();
     }
 
-    /// Mark `n` appended positions as cached (after every layer appended them).
-    pub(crate) fn commit(&mut self, n: usize) {
-        self.len += n;
-    }
-
-    /// Keep positions `0..n` (drops appended but uncommitted rows too).
-    pub fn truncate(&mut self, n: usize) {
-        let n = n.min(self.len);
-        for l in &mut self.layers {
-            l.k.truncate(n * l.k_width);
-            l.v.truncate(n * l.v_width);
+    /// Drop every pending cell (the cache is as before the last forward).
+    pub fn rollback(&mut self) {
+        for c in std::mem::take(&mut self.pending) {
+            self.release(c);
         }
-        self.len = n;
+        self.sort_free();
     }
 
-    /// Drop every position.
+    /// Keep the pending cells of batch tokens `keep` (in that order, e.g. an accepted
+    /// root-to-leaf path), drop the other pending cells, and move the kept rows into the
+    /// lowest free cells, so that a sequence decoded by speculation is laid out as plain
+    /// decoding would have laid it out. Positions are those the tokens were run at.
+    pub fn compact(&mut self, be: &B, keep: &[usize]) -> Result<(), RuntimeError> {
+        let pending = std::mem::take(&mut self.pending);
+        let mut seen = vec![false; pending.len()];
+        for &k in keep {
+            match seen.get_mut(k) {
+                Some(s) if !*s => *s = true,
+                _ => {
+                    self.pending = pending;
+                    return Err(RuntimeError::BadCompact {
+                        index: k,
+                        n_pending: seen.len(),
+                    });
+                }
+            }
+        }
+        for (i, &c) in pending.iter().enumerate() {
+            if !seen[i] {
+                self.release(c);
+            }
+        }
+        // Every kept cell leaves its place too; then they are placed in order at the lowest
+        // free cells (possibly their own).
+        let kept: Vec<(u32, CellMeta)> = keep
+            .iter()
+            .map(|&k| (pending[k], self.cells[pending[k] as usize]))
+            .collect();
+        for &(c, _) in &kept {
+            self.release(c);
+        }
+        self.sort_free();
+        let mut moves = Vec::new();
+        for (from, meta) in kept {
+            let Some(to) = self.free.pop() else {
+                unreachable!("each kept cell freed one")
+            };
+            self.cells[to as usize] = CellMeta {
+                batch: CellMeta::COMMITTED,
+                ..meta
+            };
+            if to != from {
+                moves.push((from, to));
+            }
+        }
+        // `kv_move` reads every source before it writes, so the order of `keep` is free.
+        if !moves.is_empty() {
+            for kv in &mut self.layers {
+                be.kv_move(kv, &moves)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Forget the committed positions `from..` of `seq` (and nothing pending).
+    pub fn truncate(&mut self, seq: SeqId, from: u32) {
+        let drop: Vec<u32> = (0..self.cells.len() as u32)
+            .filter(|&i| {
+                let c = self.cells[i as usize];
+                c.seq == seq && c.batch == CellMeta::COMMITTED && c.pos >= from
+            })
+            .collect();
+        for c in drop {
+            self.release(c);
+        }
+        self.sort_free();
+    }
+
+    /// Forget every cell of `seq`.
+    pub fn remove_seq(&mut self, seq: SeqId) {
+        self.truncate(seq, 0);
+    }
+
+    /// Forget everything.
     pub fn clear(&mut self) {
-        self.truncate(0);
+        self.pending.clear();
+        for c in &mut self.cells {
+            c.seq = CellMeta::FREE;
+            c.batch = CellMeta::COMMITTED;
+        }
+        self.free = (0..self.cells.len() as u32).rev().collect();
     }
 }

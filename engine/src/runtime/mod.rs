@@ -1,21 +1,33 @@
-//! The runtime: backends (the operations a forward pass is made of) and sessions (a sequence
-//! with its KV cache).
+//! The runtime: backends (the operations a forward pass is made of, on tensors they own), the
+//! engine (a model prepared on a backend), batches, the KV cache and sessions.
 //!
-//! - [`Backend`]: matmul, RMSNorm, RoPE, attention, elementwise ops; [`CpuBackend`] implements
-//!   it on `kernels::cpu` with its own rayon pool and an ISA chosen at construction. A CUDA
-//!   backend will implement the same trait.
-//! - [`Session`]: batched prefill and incremental decode over a [`KvCache`], logits for the last
-//!   token or for all, taps on request.
+//! - [`Backend`]: buffers, prepared weights and cache layers are the backend's associated
+//!   types; every op (matmul, grouped expert matmul, routing, gather, norms, RoPE at per-token
+//!   positions, attention under a [`Mask`], copies) is fallible. [`CpuBackend`] implements it
+//!   on `kernels::cpu` with its own rayon pool and an ISA chosen at construction.
+//! - [`Engine`]: a model whose weights were prepared once on a backend;
+//!   [`Engine::forward`] runs a [`Batch`] (several sequences at their own positions, chains or
+//!   draft trees) against a [`KvCache`].
+//! - [`KvCache`]: cells tagged with sequence and position; pending cells of a forward are
+//!   committed, rolled back or compacted (tree speculation keeps the accepted path).
+//! - [`Session`]: one sequence with its own cache (prefill, decode, logits for the last token
+//!   or for all, taps on request).
 
 mod backend;
+mod batch;
 mod cpu;
+mod engine;
 mod error;
 mod kv_cache;
 pub mod sampling;
 mod session;
 
-pub use backend::{AttnParams, Backend, MatRef};
-pub use cpu::CpuBackend;
+pub use backend::{
+    AttnMeta, Backend, CellMeta, KvDtype, KvSource, Mask, QueryMeta, SeqId, Strided, WeightData,
+};
+pub use batch::Batch;
+pub use cpu::{CpuBackend, CpuKv, CpuMat};
+pub use engine::{Engine, Logits};
 pub use error::RuntimeError;
 pub use kv_cache::KvCache;
-pub use session::{Logits, Session};
+pub use session::Session;

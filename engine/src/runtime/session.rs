@@ -1,53 +1,42 @@
-//! [`Session`]: one sequence being decoded, with its KV cache.
+//! [`Session`]: one sequence being decoded, with its own KV cache: the simple way to run a
+//! prompt and decode, on top of [`Engine::forward`].
 
-use crate::model::{forward, Model};
-use crate::taps::{TapObserver, Taps};
+use crate::model::Model;
+use crate::taps::TapObserver;
 
-use super::{Backend, KvCache, RuntimeError};
+use super::backend::{Backend, KvDtype};
+use super::{Batch, Engine, KvCache, Logits, RuntimeError};
 
-/// Logits of a forward call: `n_rows` rows of `n_vocab`, for the last token only or for every
-/// token of the call (see [`Session::set_logits_all`]).
-#[derive(Debug, Clone, PartialEq)]
-pub struct Logits {
-    pub data: Vec<f32>,
-    pub n_rows: usize,
-    pub n_vocab: usize,
-}
+/// The sequence id a [`Session`] uses in its cache.
+const SEQ: u32 = 0;
 
-impl Logits {
-    /// Row `i` (`0..n_rows`).
-    pub fn row(&self, i: usize) -> &[f32] {
-        self.data
-            .get(i * self.n_vocab..(i + 1) * self.n_vocab)
-            .unwrap_or(&[])
-    }
-
-    /// The last token's logits.
-    pub fn last(&self) -> &[f32] {
-        self.row(self.n_rows.saturating_sub(1))
-    }
-}
-
-/// One sequence on one model and backend: the KV cache and the position.
-pub struct Session<'a> {
-    model: &'a Model,
-    backend: &'a dyn Backend,
-    cache: KvCache,
+/// One sequence on one engine: the KV cache and the position.
+pub struct Session<'e, 'm, B: Backend + 'm> {
+    engine: &'e Engine<'m, B>,
+    cache: KvCache<B>,
     n_ctx: usize,
     logits_all: bool,
 }
 
-impl<'a> Session<'a> {
-    /// A session of at most `n_ctx` positions (capped at nothing: a model may run past its
-    /// training context, with the usual loss of quality).
-    pub fn new(model: &'a Model, backend: &'a dyn Backend, n_ctx: usize) -> Session<'a> {
-        Session {
-            model,
-            backend,
-            cache: KvCache::new(model.config()),
+impl<'e, 'm, B: Backend + 'm> Session<'e, 'm, B> {
+    /// A session of at most `n_ctx` positions (not capped at the training context: a model may
+    /// run past it, with the usual loss of quality), with an f32 cache.
+    pub fn new(engine: &'e Engine<'m, B>, n_ctx: usize) -> Result<Self, RuntimeError> {
+        Self::with_cache(engine, n_ctx, KvDtype::F32)
+    }
+
+    /// [`Session::new`] with the cache stored as `dtype`.
+    pub fn with_cache(
+        engine: &'e Engine<'m, B>,
+        n_ctx: usize,
+        dtype: KvDtype,
+    ) -> Result<Self, RuntimeError> {
+        Ok(Session {
+            engine,
+            cache: engine.new_cache(n_ctx, dtype)?,
             n_ctx,
             logits_all: false,
-        }
+        })
     }
 
     /// Return logits for every token of each call (perplexity) instead of the last only
@@ -58,24 +47,32 @@ impl<'a> Session<'a> {
 
     /// Positions already in the cache.
     pub fn n_past(&self) -> usize {
-        self.cache.len()
+        self.cache.next_pos(SEQ) as usize
     }
 
     pub fn n_ctx(&self) -> usize {
         self.n_ctx
     }
 
-    pub fn model(&self) -> &'a Model {
-        self.model
+    pub fn model(&self) -> &'m Model {
+        self.engine.model()
     }
 
-    pub fn backend(&self) -> &'a dyn Backend {
-        self.backend
+    pub fn engine(&self) -> &'e Engine<'m, B> {
+        self.engine
+    }
+
+    pub fn backend(&self) -> &'m B {
+        self.engine.backend()
+    }
+
+    pub fn cache(&self) -> &KvCache<B> {
+        &self.cache
     }
 
     /// Forget positions `n..` (e.g. to start a new window).
     pub fn truncate(&mut self, n: usize) {
-        self.cache.truncate(n);
+        self.cache.truncate(SEQ, n as u32);
     }
 
     /// Forget everything.
@@ -94,19 +91,7 @@ impl<'a> Session<'a> {
         if tokens.is_empty() {
             return Err(RuntimeError::NoTokens);
         }
-        let n_vocab = self.model.config().n_vocab;
-        if let Some((index, &token)) = tokens
-            .iter()
-            .enumerate()
-            .find(|(_, &t)| t as usize >= n_vocab)
-        {
-            return Err(RuntimeError::TokenOutOfRange {
-                token,
-                index,
-                n_vocab,
-            });
-        }
-        let n_past = self.cache.len();
+        let n_past = self.n_past();
         if n_past + tokens.len() > self.n_ctx {
             return Err(RuntimeError::ContextFull {
                 n_past,
@@ -114,27 +99,9 @@ impl<'a> Session<'a> {
                 n_ctx: self.n_ctx,
             });
         }
-        let mut taps = Taps::new(taps);
-        match forward::forward(
-            self.model,
-            self.backend,
-            &mut self.cache,
-            tokens,
-            &mut taps,
-            self.logits_all,
-        ) {
-            Ok((data, n_rows)) => {
-                self.cache.commit(tokens.len());
-                Ok(Logits {
-                    data,
-                    n_rows,
-                    n_vocab,
-                })
-            }
-            Err(e) => {
-                self.cache.truncate(n_past);
-                Err(e)
-            }
-        }
+        let batch = Batch::chain(SEQ, n_past as u32, tokens, self.logits_all);
+        let logits = self.engine.forward(&mut self.cache, &batch, taps)?;
+        self.cache.commit();
+        Ok(logits)
     }
 }

@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use anyhow::{anyhow, Context, Result};
 use engine::model::Model;
-use engine::runtime::{CpuBackend, Session};
+use engine::runtime::{CpuBackend, Engine, Session};
 use engine::taps::TapRecorder;
 use engine::tokenizer::Tokenizer;
 use harness::cases::{Backend, Case};
@@ -180,13 +180,14 @@ pub fn run(
     let model = Model::load(env.path).with_context(|| format!("loading {}", env.path.display()))?;
     let tokenizer = Tokenizer::from_gguf(model.gguf()).context("loading the tokenizer")?;
     let backend = CpuBackend::new(Some(isa), Some(env.threads))?;
+    let engine = Engine::new(&model, &backend).context("preparing the weights")?;
     let budget = Budget::for_model(env.real);
     let reference = refs.get(env.path, &tokenizer, budget)?;
     let n_vocab = reference.n_vocab;
 
     // Teacher-forced: the same tokens, one batched forward, every tap and every position's logits.
     let mut recorder = TapRecorder::new();
-    let mut session = Session::new(&model, &backend, 4096);
+    let mut session = Session::new(&engine, 4096)?;
     session.set_logits_all(true);
     let logits = session
         .forward(&reference.tokens, Some(&mut recorder))
@@ -232,7 +233,7 @@ pub fn run(
     }
 
     // Greedy continuation: equal to the reference's for the first tokens, and not degenerate.
-    let (generated, gen_logits) = greedy(&model, &backend, &reference.prompt, budget.n_generate)?;
+    let (generated, gen_logits) = greedy(&engine, &reference.prompt, budget.n_generate)?;
     gates.push(coherence::greedy_prefix(
         &generated,
         &reference.greedy,
@@ -265,7 +266,7 @@ pub fn run(
 
     let mut measured = None;
     if env.bench {
-        let m = bench(&model, &backend, &reference.tokens, budget)?;
+        let m = bench(&engine, &reference.tokens, budget)?;
         figures.push(Figure::new("prefill_tps", m.prefill_tps, "tok/s"));
         figures.push(Figure::new("decode_tps", m.decode_tps, "tok/s"));
         if let Some(bw) = env.bandwidth {
@@ -317,12 +318,11 @@ fn bos_gate(bos: Option<u32>, fed: &[(&str, &[u32])]) -> GateResult {
 
 /// Greedy decoding through the KV cache; returns the new ids and their logits rows.
 fn greedy(
-    model: &Model,
-    backend: &CpuBackend,
+    engine: &Engine<'_, CpuBackend>,
     prompt: &[u32],
     n: usize,
 ) -> Result<(Vec<u32>, Vec<f32>)> {
-    let mut session = Session::new(model, backend, prompt.len() + n + 1);
+    let mut session = Session::new(engine, prompt.len() + n + 1)?;
     let mut logits = session.forward(prompt, None).context("engine prefill")?;
     let mut ids = Vec::with_capacity(n);
     let mut rows = Vec::with_capacity(n * logits.n_vocab);
@@ -344,12 +344,12 @@ struct Speed {
 }
 
 /// Prefill and decode tokens/s, median of `runs`.
-fn bench(model: &Model, backend: &CpuBackend, tokens: &[u32], budget: Budget) -> Result<Speed> {
+fn bench(engine: &Engine<'_, CpuBackend>, tokens: &[u32], budget: Budget) -> Result<Speed> {
     let n_decode = 16;
     let mut prefill = Vec::new();
     let mut decode = Vec::new();
     for _ in 0..budget.bench_runs {
-        let mut session = Session::new(model, backend, tokens.len() + n_decode + 1);
+        let mut session = Session::new(engine, tokens.len() + n_decode + 1)?;
         let t = Instant::now();
         let mut logits = session.forward(tokens, None)?;
         prefill.push(tokens.len() as f64 / t.elapsed().as_secs_f64());
