@@ -1,4 +1,4 @@
-//! Command-line interface of `plumbline`. One submodule per subcommand.
+//! `plumbline`: the command-line entry point of the engine. One module per subcommand.
 
 use std::process::ExitCode;
 
@@ -35,7 +35,7 @@ enum Command {
     Tokenize(tokenize::Args),
 }
 
-pub fn main() -> ExitCode {
+fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .with_writer(std::io::stderr)

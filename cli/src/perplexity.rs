@@ -15,7 +15,7 @@ use engine::runtime::{Backend, Engine, Session};
 use engine::tokenizer::Tokenizer;
 use serde_json::json;
 
-use super::generate::RunArgs;
+use crate::generate::RunArgs;
 
 #[derive(clap::Args, Debug)]
 pub struct Args {

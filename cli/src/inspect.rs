@@ -9,7 +9,7 @@ use anyhow::{Context, Result};
 use kernels::quant::GgmlType;
 use serde_json::{json, Value};
 
-use crate::gguf::{Gguf, MetadataValue, TensorInfo};
+use engine::gguf::{Gguf, MetadataValue, TensorInfo};
 
 #[derive(clap::Args)]
 pub struct Args {

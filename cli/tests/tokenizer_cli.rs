@@ -1,5 +1,6 @@
 //! `plumbline tokenize` end to end on the tiny GPT-2 vocabulary (always present), expected ids
-//! from llama.cpp in `data/tokenizer/tiny_gpt2.json` (case "words" of pre-tokenizer gpt-2).
+//! from llama.cpp in `engine/tests/data/tokenizer/tiny_gpt2.json` (case "words" of pre-tokenizer
+//! gpt-2). The test data stays with the engine's tokenizer tests; this crate reads it from there.
 
 use std::path::Path;
 use std::process::Command;
@@ -20,7 +21,7 @@ fn plumbline(args: &[&str]) -> (bool, String, String) {
 
 fn model() -> String {
     Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/data/tokenizer/tiny-gpt2-gpt-2.gguf")
+        .join("../engine/tests/data/tokenizer/tiny-gpt2-gpt-2.gguf")
         .display()
         .to_string()
 }

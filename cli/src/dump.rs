@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 
-use crate::gguf::Gguf;
+use engine::gguf::Gguf;
 
 #[derive(clap::Args)]
 pub struct Args {
