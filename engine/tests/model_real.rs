@@ -125,3 +125,60 @@ fn greedy_tokenized_prompt_equals_id_prompt() {
         .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(ids, PROMPT_IDS);
 }
+
+/// The real model past its 512-token sliding window: one prefill, a chunked prefill and
+/// token-by-token decoding give the same logits for the last positions (the decode path at
+/// positions 560..600 only sees the window of the local layers).
+#[test]
+fn prefill_chunks_and_decode_agree_past_the_sliding_window() {
+    use engine::runtime::{Batch, KvDtype};
+    let model = model_or_skip!();
+    let backend = CpuBackend::new(None, None).unwrap_or_else(|e| panic!("{e}"));
+    let engine = Engine::new(&model, &backend).unwrap_or_else(|e| panic!("{e}"));
+    let window = model.config().sliding_window.unwrap_or(0);
+    assert_eq!(window, 512);
+    let n = 600;
+    let tail = 560;
+    // A fixed, varied token sequence (ids of ordinary vocabulary entries).
+    let toks: Vec<u32> = (0..n as u32).map(|i| 1000 + (i * 7919) % 50_000).collect();
+    let tail_batch = |cache_pos: u32, toks: &[u32]| {
+        let mut b = Batch::new();
+        for (i, &t) in toks.iter().enumerate() {
+            let pos = cache_pos + i as u32;
+            b.push(t, pos, 0, pos as usize >= tail);
+        }
+        b
+    };
+    let run = |chunks: &[usize]| -> Vec<Vec<f32>> {
+        let mut cache = engine
+            .new_cache(n, KvDtype::F32)
+            .unwrap_or_else(|e| panic!("{e}"));
+        let mut rows = Vec::new();
+        let mut at = 0;
+        for &len in chunks {
+            let b = tail_batch(at as u32, &toks[at..at + len]);
+            let l = engine
+                .forward(&mut cache, &b, None)
+                .unwrap_or_else(|e| panic!("{e}"));
+            cache.commit();
+            rows.extend((0..l.n_rows).map(|r| l.row(r).to_vec()));
+            at += len;
+        }
+        rows
+    };
+    let one = run(&[n]);
+    let chunked = run(&[300, 250, 50]);
+    let mut decode_chunks = vec![tail];
+    decode_chunks.extend(std::iter::repeat_n(1, n - tail));
+    let decoded = run(&decode_chunks);
+    assert_eq!(one.len(), n - tail);
+    for (name, other) in [("chunked", &chunked), ("decode", &decoded)] {
+        for (i, (a, b)) in other.iter().zip(&one).enumerate() {
+            let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let err = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale;
+            // Summation order only (token tiling of the kernels): 1e-4 of the largest logit;
+            // a position or window off by one moves the logits here by more than 1e-2.
+            assert!(err <= 1e-4, "{name} position {}: rel err {err}", tail + i);
+        }
+    }
+}
