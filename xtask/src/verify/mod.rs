@@ -59,19 +59,18 @@ pub fn run(args: Args) -> Result<()> {
     Ok(())
 }
 
-/// The machine's capabilities: CPU features from the kernels' own detection (one place decides),
-/// no CUDA device or engine support yet.
+/// The machine's capabilities, as the engine reports them ([`engine::capabilities`]).
 fn machine_caps() -> MachineCaps {
-    let isas = Isa::available();
+    let caps = engine::capabilities();
     MachineCaps {
-        avx2: isas.contains(&Isa::Avx2),
-        avx512: isas.contains(&Isa::Avx512),
-        cuda_archs: Vec::new(),
+        avx2: caps.has_isa(Isa::Avx2),
+        avx512: caps.has_isa(Isa::Avx512),
+        cuda_archs: caps.cuda_devices.iter().map(|d| d.arch).collect(),
         nvlink: false,
         engine: EngineCaps {
-            cuda: false,
-            tensor_parallel: false,
-            speculative: false,
+            cuda: caps.cuda_backend,
+            tensor_parallel: caps.tensor_parallel,
+            speculative: caps.speculative,
         },
         models_missing: Default::default(),
     }

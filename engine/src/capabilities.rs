@@ -1,0 +1,66 @@
+//! [`capabilities()`]: what this machine and this build of the engine can run. The
+//! verification matrix reads it instead of guessing the machine.
+
+use kernels::cpu::Isa;
+
+/// One CUDA device the engine could run on.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CudaDevice {
+    pub ordinal: usize,
+    pub name: String,
+    /// Compute capability as `major × 10 + minor` (90 for sm_90).
+    pub arch: u32,
+    pub memory_bytes: u64,
+}
+
+/// What this machine can run.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Capabilities {
+    /// CPU instruction sets the CPU backend can use here, narrowest first.
+    pub cpu_isas: Vec<Isa>,
+    /// Hardware threads available to this process.
+    pub cpu_threads: usize,
+    /// CUDA devices. Empty: this build has no CUDA backend yet (issue "CUDA backend").
+    pub cuda_devices: Vec<CudaDevice>,
+    /// Whether the engine has a CUDA backend compiled in.
+    pub cuda_backend: bool,
+    /// Whether tensor-parallel execution is implemented.
+    pub tensor_parallel: bool,
+    /// Whether speculative decoding is implemented.
+    pub speculative: bool,
+    /// KV cache storage types the backends support.
+    pub kv_dtypes: Vec<crate::runtime::KvDtype>,
+}
+
+impl Capabilities {
+    pub fn has_isa(&self, isa: Isa) -> bool {
+        self.cpu_isas.contains(&isa)
+    }
+}
+
+/// Detect what this machine can run (cheap: CPU feature detection; no device is opened).
+pub fn capabilities() -> Capabilities {
+    Capabilities {
+        cpu_isas: Isa::available(),
+        cpu_threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
+        cuda_devices: Vec::new(),
+        cuda_backend: false,
+        tensor_parallel: false,
+        speculative: false,
+        kv_dtypes: vec![crate::runtime::KvDtype::F32, crate::runtime::KvDtype::F16],
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scalar_is_always_available_and_matches_the_kernels() {
+        let c = capabilities();
+        assert!(c.has_isa(Isa::Scalar));
+        assert_eq!(c.cpu_isas, Isa::available());
+        assert!(c.cpu_threads >= 1);
+        assert!(c.cuda_devices.is_empty() || c.cuda_backend);
+    }
+}
