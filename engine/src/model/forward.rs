@@ -144,7 +144,7 @@ impl<'w, B: Backend + 'w> Weights<'w, B> {
             });
         }
         Ok(Weights {
-            token_embd: mat(&m.token_embd)?,
+            token_embd: be.prepare(m.embedding_data())?,
             output: mat(&m.output)?,
             output_norm: vec(&m.output_norm)?,
             layers,

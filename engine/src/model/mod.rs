@@ -186,6 +186,16 @@ impl Model {
         }
     }
 
+    /// The token embedding table for the gather path ([`crate::runtime::Backend::embed`]):
+    /// [`Model::weight_data`] without the loader faults, which model matrix-product loaders.
+    pub(crate) fn embedding_data(&self) -> WeightData<'_> {
+        let w = &self.token_embd;
+        WeightData {
+            data: w.view_bytes(self.data(w)),
+            ..self.weight_data(w)
+        }
+    }
+
     /// Every weight matrix of the model, in forward order (token embedding first, output head
     /// last): for inspection, shard planning and tests.
     pub fn weights(&self) -> Vec<&Weight> {

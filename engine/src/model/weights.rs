@@ -133,33 +133,10 @@ impl Weight {
     }
 
     /// This weight's bytes out of its tensor's `data` (all matrices, contiguous), as a
-    /// backend's `prepare` takes them. Loader faults (`permuted-experts`,
-    /// `wrong-dequant-scale`) act here, as a loader bug would.
+    /// backend's `prepare` takes them for a matrix product. Loader faults
+    /// (`permuted-experts`, `wrong-dequant-scale`) act here, as a loader bug would.
     pub fn bytes<'a>(&self, data: &'a [u8]) -> Cow<'a, [u8]> {
-        let mut out = match &self.view {
-            None => Cow::Borrowed(data),
-            Some(v) => {
-                let (full_k, full_rows) = self.full_dims();
-                let bs = self.ty.block_size();
-                let ts = self.ty.type_size();
-                let full_row = full_k / bs * ts;
-                let full_mat = full_row * full_rows;
-                let c0 = v.cols.start / bs * ts;
-                if self.n_mats == 1 && v.cols.len() == full_k {
-                    let r = v.rows.start * full_row..v.rows.end * full_row;
-                    Cow::Borrowed(data.get(r).unwrap_or(&[]))
-                } else {
-                    let mut o = Vec::with_capacity(self.n_mats * self.mat_bytes());
-                    for m in 0..self.n_mats {
-                        for r in v.rows.clone() {
-                            let at = m * full_mat + r * full_row + c0;
-                            o.extend_from_slice(data.get(at..at + self.row_bytes).unwrap_or(&[]));
-                        }
-                    }
-                    Cow::Owned(o)
-                }
-            }
-        };
+        let mut out = self.view_bytes(data);
         if self.n_mats > 1 && faults::is_active(Fault::PermutedExperts) {
             // A loader that laid out the 3-D expert tensor in the wrong order.
             let size = self.mat_bytes();
@@ -173,6 +150,32 @@ impl Weight {
             out = Cow::Owned(q4k_with_wrong_scale(&out));
         }
         out
+    }
+
+    /// [`Weight::bytes`] without the loader faults (the embedding table's gather path, which
+    /// dequantizes with its own code).
+    pub fn view_bytes<'a>(&self, data: &'a [u8]) -> Cow<'a, [u8]> {
+        let Some(v) = &self.view else {
+            return Cow::Borrowed(data);
+        };
+        let (full_k, full_rows) = self.full_dims();
+        let bs = self.ty.block_size();
+        let ts = self.ty.type_size();
+        let full_row = full_k / bs * ts;
+        let full_mat = full_row * full_rows;
+        let c0 = v.cols.start / bs * ts;
+        if self.n_mats == 1 && v.cols.len() == full_k {
+            let r = v.rows.start * full_row..v.rows.end * full_row;
+            return Cow::Borrowed(data.get(r).unwrap_or(&[]));
+        }
+        let mut o = Vec::with_capacity(self.n_mats * self.mat_bytes());
+        for m in 0..self.n_mats {
+            for r in v.rows.clone() {
+                let at = m * full_mat + r * full_row + c0;
+                o.extend_from_slice(data.get(at..at + self.row_bytes).unwrap_or(&[]));
+            }
+        }
+        Cow::Owned(o)
     }
 }
 
