@@ -104,6 +104,11 @@ fn path_to(node: usize) -> Vec<usize> {
     p
 }
 
+/// A node's depth in [`TREE`] given its parent: its position after the prompt.
+fn depth(parent: Option<usize>) -> u32 {
+    parent.map_or(0, |p| path_to(p).len() as u32)
+}
+
 #[test]
 fn tree_forward_equals_each_path_and_compact_equals_plain_decoding() {
     for arch in ARCHES {
@@ -118,8 +123,7 @@ fn tree_forward_equals_each_path_and_compact_equals_plain_decoding() {
         cache.commit();
         let mut tree = Batch::new();
         for &(tok, parent) in &TREE {
-            let depth = parent.map_or(0, |p| path_to(p).len() as u32);
-            tree.push_node(tok, n0 + depth, 0, parent, true);
+            tree.push_node(tok, n0 + depth(parent), 0, parent, true);
         }
         let logits = ok(engine.forward(&mut cache, &tree, None));
 
@@ -158,8 +162,7 @@ fn tree_forward_equals_each_path_and_compact_equals_plain_decoding() {
         // Without the tree mask the siblings would see each other: the test can fail.
         let mut chain_mask = Batch::new();
         for &(tok, parent) in &TREE {
-            let depth = parent.map_or(0, |p| path_to(p).len() as u32);
-            chain_mask.push(tok, n0 + depth, 1, true);
+            chain_mask.push(tok, n0 + depth(parent), 1, true);
         }
         let mut c2 = ok(engine.new_cache(64, KvDtype::F32));
         ok(engine.forward(&mut c2, &Batch::chain(1, 0, &prompt, false), None));

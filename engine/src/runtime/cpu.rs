@@ -193,35 +193,35 @@ struct KvRows<'a, E> {
     v_stride: usize,
 }
 
-/// One query head against the cells its mask lets it see: scores, softmax (sum in f64, as
-/// ggml), weighted sum of values. Cells are visited in index order.
+/// The cells query `t` sees, in index order.
+fn visible_cells(m: &AttnMeta<'_>, t: usize) -> Vec<u32> {
+    let (query, anc) = (m.queries[t], m.ancestors_of(t));
+    m.cells
+        .iter()
+        .enumerate()
+        .filter(|(_, &c)| m.mask.visible(query, c, anc))
+        .map(|(j, _)| j as u32)
+        .collect()
+}
+
+/// One query head against `cells` (those its mask lets it see): scores, softmax (sum in f64,
+/// as ggml), weighted sum of values. Cells are visited in index order.
 fn attend_one<E: KvElem>(
     q: &[f32],
     kv: &KvRows<'_, E>,
     kv_head: usize,
-    t: usize,
+    cells: &[u32],
     m: &AttnMeta<'_>,
-    scratch: &mut (Vec<f32>, Vec<u32>),
+    scores: &mut Vec<f32>,
     out: &mut [f32],
 ) {
-    let (scores, cells) = scratch;
-    let query = m.queries[t];
-    let anc = m.ancestors_of(t);
-    cells.clear();
-    cells.extend(
-        m.cells
-            .iter()
-            .enumerate()
-            .filter(|(_, &c)| m.mask.visible(query, c, anc))
-            .map(|(j, _)| j as u32),
-    );
     out.fill(0.0);
     if cells.is_empty() {
         return;
     }
     scores.clear();
     let mut max = f32::NEG_INFINITY;
-    for &j in cells.iter() {
+    for &j in cells {
         let kr = &kv.k[j as usize * kv.k_stride + kv_head * m.head_dim_k..][..m.head_dim_k];
         let s = q.iter().zip(kr).map(|(a, b)| a * b.f32()).sum::<f32>() * m.scale;
         max = max.max(s);
@@ -233,7 +233,7 @@ fn attend_one<E: KvElem>(
         sum += f64::from(*s);
     }
     let inv = (1.0 / sum) as f32;
-    for (&w, &j) in scores.iter().zip(cells.iter()) {
+    for (&w, &j) in scores.iter().zip(cells) {
         let w = w * inv;
         let vr = &kv.v[j as usize * kv.v_stride + kv_head * m.head_dim_v..][..m.head_dim_v];
         for (o, &x) in out.iter_mut().zip(vr) {
@@ -381,6 +381,14 @@ impl KvStore {
     }
 }
 
+/// `len` must be a whole, non-zero number of rows of `width`.
+fn check_rows(op: &'static str, width: usize, len: usize) -> Result<(), RuntimeError> {
+    if width == 0 || !len.is_multiple_of(width) {
+        return Err(shape(op, width, len));
+    }
+    Ok(())
+}
+
 fn shape(op: &'static str, expected: usize, found: usize) -> RuntimeError {
     RuntimeError::Shape {
         op,
@@ -393,12 +401,17 @@ impl CpuBackend {
     fn attend<E: KvElem>(&self, q: &[f32], kv: KvRows<'_, E>, m: &AttnMeta<'_>, out: &mut [f32]) {
         let group = m.n_head / m.n_head_kv;
         self.pool.install(|| {
+            // The mask is evaluated once per query token, not once per head.
+            let visible: Vec<Vec<u32>> = (0..m.queries.len())
+                .into_par_iter()
+                .map(|t| visible_cells(m, t))
+                .collect();
             out.par_chunks_mut(m.head_dim_v).enumerate().for_each_init(
-                || (Vec::new(), Vec::new()),
-                |scratch, (i, o)| {
+                Vec::new,
+                |scores, (i, o)| {
                     let (t, h) = (i / m.n_head, i % m.n_head);
                     let qh = &q[(t * m.n_head + h) * m.head_dim_k..][..m.head_dim_k];
-                    attend_one(qh, &kv, h / group, t, m, scratch, o);
+                    attend_one(qh, &kv, h / group, &visible[t], m, scores, o);
                 },
             );
         });
@@ -579,13 +592,11 @@ impl Backend for CpuBackend {
     ) -> Result<(), RuntimeError> {
         let n = weight.len();
         check_len("rms_norm output", x.len(), out.len())?;
-        if n == 0 || !x.len().is_multiple_of(n) {
-            return Err(shape(
-                "rms_norm input (a multiple of the weight length)",
-                n,
-                x.len(),
-            ));
-        }
+        check_rows(
+            "rms_norm input (a multiple of the weight length)",
+            n,
+            x.len(),
+        )?;
         for (xr, or) in x.chunks_exact(n).zip(out.chunks_exact_mut(n)) {
             rms_norm_row(xr, weight, eps, or);
         }
@@ -599,13 +610,11 @@ impl Backend for CpuBackend {
         eps: f32,
     ) -> Result<(), RuntimeError> {
         let n = weight.len();
-        if n == 0 || !x.len().is_multiple_of(n) {
-            return Err(shape(
-                "rms_norm input (a multiple of the weight length)",
-                n,
-                x.len(),
-            ));
-        }
+        check_rows(
+            "rms_norm input (a multiple of the weight length)",
+            n,
+            x.len(),
+        )?;
         let mut row = vec![0f32; n];
         for xr in x.chunks_exact_mut(n) {
             row.copy_from_slice(xr);

@@ -133,11 +133,10 @@ impl<B: Backend> KvCache<B> {
         positions: &[u32],
     ) -> Result<Vec<u32>, RuntimeError> {
         let n = seqs.len();
-        if !self.pending.is_empty() {
-            return Err(RuntimeError::PendingCells {
-                n: self.pending.len(),
-            });
-        }
+        debug_assert!(
+            self.pending.is_empty(),
+            "Engine::forward checks pending cells"
+        );
         if self.used() + n > self.capacity {
             return Err(RuntimeError::ContextFull {
                 n_past: self.used(),

@@ -88,18 +88,9 @@ impl<'e, 'm, B: Backend + 'm> Session<'e, 'm, B> {
         tokens: &[u32],
         taps: Option<&mut dyn TapObserver>,
     ) -> Result<Logits, RuntimeError> {
-        if tokens.is_empty() {
-            return Err(RuntimeError::NoTokens);
-        }
-        let n_past = self.n_past();
-        if n_past + tokens.len() > self.n_ctx {
-            return Err(RuntimeError::ContextFull {
-                n_past,
-                n_new: tokens.len(),
-                n_ctx: self.n_ctx,
-            });
-        }
-        let batch = Batch::chain(SEQ, n_past as u32, tokens, self.logits_all);
+        // Empty input, bad ids and a full context (the cache holds `n_ctx` cells) are refused
+        // by the forward.
+        let batch = Batch::chain(SEQ, self.n_past() as u32, tokens, self.logits_all);
         let logits = self.engine.forward(&mut self.cache, &batch, taps)?;
         self.cache.commit();
         Ok(logits)
