@@ -92,9 +92,19 @@ fn paris_is_a_top_candidate_after_the_capital_of_france_is() {
         .forward(&PROMPT_IDS, None)
         .unwrap_or_else(|e| panic!("{e}"));
     let row = logits.last();
-    let rank = row.iter().filter(|&&v| v > row[PARIS as usize]).count();
-    // NumPy reference ranks: ▁the 19.09, ▁a 18.55, ▁Paris 18.27.
-    assert!(rank <= 2, "▁Paris ranks {rank}");
+    let (paris, rank) = (
+        row[PARIS as usize],
+        row.iter().filter(|&&v| v > row[PARIS as usize]).count(),
+    );
+    // NumPy reference: ▁the 19.09, ▁a 18.55, ▁Paris 18.27, and a fourth candidate within
+    // 0.05 of ▁Paris. Activations are quantized to Q8 before each product, so a change of
+    // summation order moves a logit by a few hundredths: the ranks of ▁Paris and that fourth
+    // token may swap, its value may not drift (a broken layer moves it by whole units).
+    assert!(
+        (paris - 18.27).abs() < 0.2,
+        "▁Paris logit {paris}, reference 18.27"
+    );
+    assert!(rank <= 3, "▁Paris ranks {rank}");
 }
 
 #[test]

@@ -210,9 +210,14 @@ impl LogitThresholds {
             // different comparison; 1e-2 keeps ~1.4x room over the measurement.
             // Same-top-1 measured 0.937 (scalar) and 0.952 (AVX2): 4 and 3 flips of 63, each on
             // a near-tie; 0.90 admits 6.
+            // p99 over 63 positions is the largest single KL. A near-tie position whose Q8
+            // activation rounding flips moves it by a few hundredths (0.025 to 0.053 measured
+            // across ISAs and summation orders), so 0.05 was inside that noise; 0.1 is twice
+            // the largest, and a bug confined to a few positions (a window off by one past
+            // 512) costs far more there than a rounding flip.
             WeightClass::Quantized => LogitThresholds {
                 kld_mean_max: 1e-2,
-                kld_p99_max: 5e-2,
+                kld_p99_max: 1e-1,
                 same_top1_min: 0.90,
                 ppl_ratio_tolerance: 0.02,
             },

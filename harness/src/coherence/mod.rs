@@ -12,5 +12,5 @@ pub mod greedy;
 pub mod logits;
 
 pub use degeneracy::{detect_degeneracy, DegeneracyParams};
-pub use greedy::greedy_prefix;
+pub use greedy::{greedy_prefix, greedy_prefix_or_tie, GreedyRows};
 pub use logits::{logit_agreement, LogitStats, LogitThresholds};

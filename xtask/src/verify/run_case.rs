@@ -65,6 +65,8 @@ pub struct ReferenceRun {
     pub logits: Vec<f32>,
     pub n_vocab: usize,
     pub greedy: Vec<u32>,
+    /// The reference's logits at each greedy step (`n_greedy × n_vocab`).
+    pub greedy_rows: Vec<f32>,
     pub prompt: Vec<u32>,
     /// `Some(id)` when the file's metadata asks for BOS (`add_bos_token`) and names it, read by
     /// the reference, not by the engine's tokenizer; `None` when the file does not ask for BOS.
@@ -126,11 +128,14 @@ fn reference_run(path: &Path, tokenizer: &Tokenizer, budget: Budget) -> Result<R
         .context("tokenizing the prompt")?;
     let mut seq = prompt.clone();
     let mut greedy = Vec::new();
+    let mut greedy_rows = Vec::new();
     for _ in 0..budget.n_greedy {
         let logits = model
             .forward(&seq, &mut |_, _, _| {})
             .context("reference greedy step")?;
-        let next = argmax(&logits[logits.len() - n_vocab..]);
+        let row = &logits[logits.len() - n_vocab..];
+        let next = argmax(row);
+        greedy_rows.extend_from_slice(row);
         greedy.push(next);
         seq.push(next);
     }
@@ -141,6 +146,7 @@ fn reference_run(path: &Path, tokenizer: &Tokenizer, budget: Budget) -> Result<R
         logits,
         n_vocab,
         greedy,
+        greedy_rows,
         prompt,
         bos,
     })
@@ -234,10 +240,21 @@ pub fn run(
 
     // Greedy continuation: equal to the reference's for the first tokens, and not degenerate.
     let (generated, gen_logits) = greedy(&engine, &reference.prompt, budget.n_generate)?;
-    gates.push(coherence::greedy_prefix(
+    // A divergence at a near-tie passes. The engine quantizes activations to Q8 before each
+    // product and the reference does not, so two close logits may trade places: on the real model
+    // the scalar kernels flip one greedy step where the reference's lead is 0.34 nats and the
+    // engine's 0.04. 0.5 nats on each side admits such a flip; a bug moves the logits it touches
+    // by whole units, and the teacher-forced KL gates still judge every position.
+    gates.push(coherence::greedy_prefix_or_tie(
         &generated,
         &reference.greedy,
         budget.n_greedy,
+        &coherence::GreedyRows {
+            engine: &gen_logits,
+            golden: &reference.greedy_rows,
+            n_vocab,
+        },
+        0.5,
     ));
     if env.real {
         // Fixtures have random weights: their output is noise by construction, so only the real
