@@ -62,7 +62,7 @@ pub fn greedy_prefix_or_tie(
     }
     let row = |data: &[f32]| {
         data.get(m * rows.n_vocab..(m + 1) * rows.n_vocab)
-            .map(log_softmax)
+            .map(super::logits::log_softmax)
     };
     let (Some(e), Some(g)) = (row(rows.engine), row(rows.golden)) else {
         return plain;
@@ -96,17 +96,6 @@ pub fn greedy_prefix_or_tie(
             ..plain
         }
     }
-}
-
-fn log_softmax(row: &[f32]) -> Vec<f64> {
-    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-    let lse = row
-        .iter()
-        .map(|&v| (v as f64 - max).exp())
-        .sum::<f64>()
-        .ln()
-        + max;
-    row.iter().map(|&v| v as f64 - lse).collect()
 }
 
 #[cfg(test)]
