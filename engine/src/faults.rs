@@ -40,10 +40,26 @@ pub enum Fault {
     /// The tokenizer omits BOS even where the model asks for it (`add_bos_token`). Both sides of
     /// verify are fed the engine's tokens, so no tap can see it: the `bos` gate must.
     TokenizerDropsBos,
+    /// `Gguf::open_listed` maps each shard's data in the order the files were listed instead of
+    /// by `split.no`, so a shard's tensor table reads another shard's bytes (on a split set with
+    /// one layer per shard and shards 1, 2 listed swapped: first seen at `blk.0.attn_norm`).
+    SplitListingOrder,
+    /// The shard plan gives rank r the query rows of rank r+1 (a loader with its q/k/v shards in
+    /// the wrong order; first seen at `blk.0.q`, gathered from the ranks).
+    TpQkvShardOrder,
+    /// The all-reduce after the row-parallel attention output is skipped, so each rank keeps
+    /// its partial sum (first seen at `blk.0.attn_out`).
+    TpMissingAttnAllReduce,
+    /// The vocabulary shards' logits are gathered in reverse rank order (first seen at
+    /// `logits`).
+    TpVocabGatherOrder,
+    /// Expert-parallel ranks hold the weights of the next rank's experts while routing their
+    /// own (first seen at the first MoE layer's `ffn_out`).
+    TpExpertWrongRank,
 }
 
 impl Fault {
-    pub const ALL: [Fault; 9] = [
+    pub const ALL: [Fault; 14] = [
         Fault::RopePositionOffByOne,
         Fault::SkipResidualAdd,
         Fault::SlidingWindowOffByOne,
@@ -53,6 +69,11 @@ impl Fault {
         Fault::WrongDequantScale,
         Fault::PermutedExperts,
         Fault::TokenizerDropsBos,
+        Fault::SplitListingOrder,
+        Fault::TpQkvShardOrder,
+        Fault::TpMissingAttnAllReduce,
+        Fault::TpVocabGatherOrder,
+        Fault::TpExpertWrongRank,
     ];
 
     pub fn name(self) -> &'static str {
@@ -66,6 +87,11 @@ impl Fault {
             Fault::WrongDequantScale => "wrong-dequant-scale",
             Fault::PermutedExperts => "permuted-experts",
             Fault::TokenizerDropsBos => "tokenizer-drops-bos",
+            Fault::SplitListingOrder => "split-listing-order",
+            Fault::TpQkvShardOrder => "tp-qkv-shard-order",
+            Fault::TpMissingAttnAllReduce => "tp-missing-attn-allreduce",
+            Fault::TpVocabGatherOrder => "tp-vocab-gather-order",
+            Fault::TpExpertWrongRank => "tp-expert-wrong-rank",
         }
     }
 

@@ -57,6 +57,7 @@ pub mod model;
 pub mod runtime;
 pub mod taps;
 pub mod tokenizer;
+pub mod tp;
 
 pub use capabilities::{capabilities, Capabilities, CudaDevice};
 

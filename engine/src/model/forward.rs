@@ -14,8 +14,9 @@ use crate::runtime::{
     AttnMeta, Backend, Batch, KvCache, KvSource, Mask, QueryMeta, RuntimeError, Strided,
 };
 use crate::taps::{blk, Taps};
+use crate::tp::{RankOps, ReducePoint};
 
-use super::{Attention, Ffn, Model, ModelConfig, Weight};
+use super::{Attention, Ffn, Layer, Model, ModelConfig, Weight};
 
 /// A gated FFN's prepared weights.
 pub(crate) struct DenseW<'w, B: Backend + 'w> {
@@ -82,6 +83,17 @@ pub struct Weights<'w, B: Backend + 'w> {
 impl<'w, B: Backend + 'w> Weights<'w, B> {
     /// Prepare every weight of `m` on `be` (the CPU borrows the map; a GPU uploads).
     pub fn prepare(m: &'w Model, be: &B) -> Result<Weights<'w, B>, RuntimeError> {
+        Weights::prepare_parts(m, &m.layers, &m.output, be)
+    }
+
+    /// Prepare `layers` and the head `output` (one tensor-parallel rank's shard views of `m`'s
+    /// weights, or `m`'s own), with `m`'s embedding table and output norm.
+    pub(crate) fn prepare_parts(
+        m: &'w Model,
+        model_layers: &'w [Layer],
+        output: &'w Weight,
+        be: &B,
+    ) -> Result<Weights<'w, B>, RuntimeError> {
         let mat = |w: &'w Weight| be.prepare(m.weight_data(w));
         let vec = |v: &[f32]| be.upload(v);
         let opt = |v: &Option<Vec<f32>>| v.as_deref().map(vec).transpose();
@@ -92,8 +104,8 @@ impl<'w, B: Backend + 'w> Weights<'w, B> {
                 down: mat(&f.down)?,
             })
         };
-        let mut layers = Vec::with_capacity(m.layers.len());
-        for l in &m.layers {
+        let mut layers = Vec::with_capacity(model_layers.len());
+        for l in model_layers {
             let attn = match &l.attn {
                 Attention::Std(a) => AttnW::Std {
                     wq: mat(&a.wq)?,
@@ -145,7 +157,7 @@ impl<'w, B: Backend + 'w> Weights<'w, B> {
         }
         Ok(Weights {
             token_embd: be.prepare(m.embedding_data())?,
-            output: mat(&m.output)?,
+            output: mat(output)?,
             output_norm: vec(&m.output_norm)?,
             layers,
         })
@@ -213,7 +225,22 @@ pub(crate) fn forward<B: Backend>(
     batch: &Batch,
     taps: &mut Taps<'_>,
 ) -> Result<(Vec<f32>, Vec<u32>), RuntimeError> {
-    let c = m.config();
+    forward_on(m.config(), w, be, cache, batch, taps, None)
+}
+
+/// [`forward`] as one tensor-parallel rank runs it: `c` is the rank's configuration (its head
+/// and FFN widths), `w` its shard views, and `rank` does the communication (all-reduce after
+/// the row-parallel attention output and FFN, before any post-norm; logits gather; expert
+/// routing). `None` is the whole model on one device.
+pub(crate) fn forward_on<B: Backend>(
+    c: &ModelConfig,
+    w: &Weights<'_, B>,
+    be: &B,
+    cache: &mut KvCache<B>,
+    batch: &Batch,
+    taps: &mut Taps<'_>,
+    rank: Option<&dyn RankOps<B>>,
+) -> Result<(Vec<f32>, Vec<u32>), RuntimeError> {
     batch.validate(c.n_vocab)?;
     let n = batch.len();
     let d = c.n_embd;
@@ -281,6 +308,9 @@ pub(crate) fn forward<B: Backend>(
         )?;
 
         let mut o = matmul(be, &layer.wo, d, &attn, n)?;
+        if let Some(r) = rank {
+            r.reduce(be, &mut o, il, ReducePoint::Attn)?;
+        }
         if let Some(nw) = &layer.post_attn_norm {
             be.rms_norm_inplace(&mut o, nw, c.rms_eps)?;
         }
@@ -295,8 +325,15 @@ pub(crate) fn forward<B: Backend>(
         tap(be, taps, || blk(il, "ffn_norm"), n, d, &h)?;
         let mut f = match &layer.ffn {
             FfnW::Dense(ffn) => dense_ffn(c, be, ffn, c.n_ff, &h, n)?,
-            FfnW::Moe { .. } => moe_ffn(c, be, &layer.ffn, il, &h, n, taps)?,
+            FfnW::Moe { .. } => moe_ffn(c, be, &layer.ffn, il, &h, n, taps, rank)?,
         };
+        if let Some(r) = rank {
+            let point = match &layer.ffn {
+                FfnW::Dense(_) => ReducePoint::Ffn,
+                FfnW::Moe { .. } => ReducePoint::Moe,
+            };
+            r.reduce(be, &mut f, il, point)?;
+        }
         if let Some(nw) = &layer.post_ffn_norm {
             be.rms_norm_inplace(&mut f, nw, c.rms_eps)?;
         }
@@ -319,7 +356,11 @@ pub(crate) fn forward<B: Backend>(
     let mut xn = be.alloc(n_head_rows * d)?;
     be.rms_norm(&head_in, &w.output_norm, c.rms_eps, &mut xn)?;
     tap(be, taps, || "output_norm".into(), n_head_rows, d, &xn)?;
-    let mut logits = matmul(be, &w.output, c.n_vocab, &xn, n_head_rows)?;
+    let vocab_rows = rank.map_or(c.n_vocab, |r| r.vocab_rows());
+    let mut logits = matmul(be, &w.output, vocab_rows, &xn, n_head_rows)?;
+    if let Some(r) = rank {
+        logits = r.gather_logits(be, logits, n_head_rows)?;
+    }
     if let Some(cap) = c.final_logit_softcap {
         be.softcap(&mut logits, cap)?;
     }
@@ -640,6 +681,7 @@ fn dense_ffn<B: Backend>(
     matmul(be, &f.down, c.n_embd, &g, n)
 }
 
+#[allow(clippy::too_many_arguments)]
 fn moe_ffn<B: Backend>(
     c: &ModelConfig,
     be: &B,
@@ -648,6 +690,7 @@ fn moe_ffn<B: Backend>(
     h: &B::Buf,
     n: usize,
     taps: &mut Taps<'_>,
+    rank: Option<&dyn RankOps<B>>,
 ) -> Result<B::Buf, RuntimeError> {
     let (
         Some(moe),
@@ -671,6 +714,9 @@ fn moe_ffn<B: Backend>(
     let mut ids = be.upload_ids(&vec![0; n * k])?;
     let mut wts = be.alloc(n * k)?;
     be.route(&router, exp_probs_b.as_ref(), &moe, n, &mut ids, &mut wts)?;
+    if let Some(r) = rank {
+        r.route_local(be, &mut ids, &mut wts, n, k)?;
+    }
     let mut g = be.alloc(n * k * nff)?;
     be.matmul_experts(gate_exps, h, false, &ids, n, k, &mut g)?;
     let mut u = be.alloc(n * k * nff)?;

@@ -27,7 +27,7 @@ pub use config::{
 };
 pub use error::ModelError;
 pub use forward::Weights;
-pub use weights::{ShardError, ShardView, Weight};
+pub use weights::{shard_block, ShardError, ShardView, Weight};
 
 use weights::Loader;
 

@@ -46,6 +46,17 @@ pub enum ShardError {
     },
 }
 
+/// The column granularity of a shard of a `ty` matrix: a column range must start and end on a
+/// multiple of this (the weight's block, or the block its activations are quantized to, a
+/// K-quant's 256, whichever is larger) or it cuts a block ([`Weight::shard`]).
+pub fn shard_block(ty: GgmlType) -> usize {
+    ty.block_size().max(
+        kernels::cpu::vec_dot_type(ty)
+            .map(|t| t.block_size())
+            .unwrap_or(1),
+    )
+}
+
 /// One weight matrix (or stack of expert matrices) in the file.
 ///
 /// Dims are ggml's: `dims[0]` (the reduction dimension, `k_dim`) is contiguous, `dims[1]` is the
@@ -107,11 +118,7 @@ impl Weight {
         };
         check("rows", &rows, full_rows)?;
         check("columns", &cols, full_k)?;
-        let block = self.ty.block_size().max(
-            kernels::cpu::vec_dot_type(self.ty)
-                .map(|t| t.block_size())
-                .unwrap_or(1),
-        );
+        let block = shard_block(self.ty);
         for offset in [cols.start, cols.end] {
             if offset % block != 0 && offset != full_k {
                 return Err(ShardError::CutsBlock {

@@ -222,6 +222,15 @@ pub trait Backend: Send + Sync {
     fn upload_ids(&self, ids: &[u32]) -> Result<Self::Ids, RuntimeError>;
     /// The buffer's values on the host (into `out`, resized).
     fn download(&self, buf: &Self::Buf, out: &mut Vec<f32>) -> Result<(), RuntimeError>;
+    /// The indices on the host (into `out`, resized): expert-parallel tensor-parallel ranks
+    /// remap routed expert ids with it. A backend without it cannot run expert-parallel ranks.
+    fn download_ids(&self, ids: &Self::Ids, out: &mut Vec<u32>) -> Result<(), RuntimeError> {
+        let _ = (ids, out);
+        Err(RuntimeError::Unsupported {
+            backend: self.name(),
+            op: "download_ids",
+        })
+    }
     /// Number of values in a buffer.
     fn buf_len(&self, buf: &Self::Buf) -> usize;
     /// Prepare a weight once, at load: check it, repack or upload it.

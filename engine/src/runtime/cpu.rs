@@ -470,6 +470,12 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn download_ids(&self, ids: &Vec<u32>, out: &mut Vec<u32>) -> Result<(), RuntimeError> {
+        out.clear();
+        out.extend_from_slice(ids);
+        Ok(())
+    }
+
     fn buf_len(&self, buf: &Vec<f32>) -> usize {
         buf.len()
     }

@@ -64,6 +64,16 @@ pub enum RuntimeError {
 
     #[error(transparent)]
     Model(#[from] ModelError),
+
+    #[error("{backend}: {op} is not implemented by this backend")]
+    Unsupported { backend: String, op: &'static str },
+
+    #[error("tensor-parallel rank {rank}: {source}")]
+    Comm {
+        rank: usize,
+        #[source]
+        source: crate::tp::CommError,
+    },
 }
 
 /// Check that a buffer has the length an operation expects.

@@ -1,0 +1,1 @@
+//! Topology cost model (step 5).
