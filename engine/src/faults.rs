@@ -40,10 +40,25 @@ pub enum Fault {
     /// The tokenizer omits BOS even where the model asks for it (`add_bos_token`). Both sides of
     /// verify are fed the engine's tokens, so no tap can see it: the `bos` gate must.
     TokenizerDropsBos,
+    /// The verify forward's tree mask lets each draft node also see its previous sibling
+    /// (`runtime/batch.rs`; first seen at the `spec.tree-mask` gate).
+    TreeMaskSeesSibling,
+    /// KV compaction after a verify keeps another node's cells in place of the last accepted
+    /// node's (`spec/kv.rs`; first seen at the `spec.compact` gate).
+    CompactKeepsWrongRow,
+    /// The acceptance walk keeps walking into the drafted child after the target rejected it
+    /// (`spec/acceptance.rs`; first seen at the `spec.accept-walk` gate).
+    AcceptPastRejection,
+    /// The acceptance walk accepts a drafted token the drafter is confident about although the
+    /// target drew another (lossy; first seen at the `spec.accept-walk` gate).
+    AcceptByDraftProbability,
+    /// When sampling, the acceptance walk accepts a drafted token of target probability 0 (the
+    /// `coin == 0` bug; first seen at the `spec.support` gate and by the exact-law proof).
+    AcceptZeroProbability,
 }
 
 impl Fault {
-    pub const ALL: [Fault; 9] = [
+    pub const ALL: [Fault; 14] = [
         Fault::RopePositionOffByOne,
         Fault::SkipResidualAdd,
         Fault::SlidingWindowOffByOne,
@@ -53,6 +68,11 @@ impl Fault {
         Fault::WrongDequantScale,
         Fault::PermutedExperts,
         Fault::TokenizerDropsBos,
+        Fault::TreeMaskSeesSibling,
+        Fault::CompactKeepsWrongRow,
+        Fault::AcceptPastRejection,
+        Fault::AcceptByDraftProbability,
+        Fault::AcceptZeroProbability,
     ];
 
     pub fn name(self) -> &'static str {
@@ -66,6 +86,11 @@ impl Fault {
             Fault::WrongDequantScale => "wrong-dequant-scale",
             Fault::PermutedExperts => "permuted-experts",
             Fault::TokenizerDropsBos => "tokenizer-drops-bos",
+            Fault::TreeMaskSeesSibling => "tree-mask-sees-sibling",
+            Fault::CompactKeepsWrongRow => "compact-keeps-wrong-row",
+            Fault::AcceptPastRejection => "accept-past-rejection",
+            Fault::AcceptByDraftProbability => "accept-by-draft-probability",
+            Fault::AcceptZeroProbability => "accept-zero-probability",
         }
     }
 

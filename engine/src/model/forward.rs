@@ -82,6 +82,16 @@ pub struct Weights<'w, B: Backend + 'w> {
 impl<'w, B: Backend + 'w> Weights<'w, B> {
     /// Prepare every weight of `m` on `be` (the CPU borrows the map; a GPU uploads).
     pub fn prepare(m: &'w Model, be: &B) -> Result<Weights<'w, B>, RuntimeError> {
+        Self::prepare_layers(m, be, m.layers.len())
+    }
+
+    /// [`Weights::prepare`] of the first `n_layers` layers only (with the embedding, output norm
+    /// and head): the target's own first layers as a self-draft model.
+    pub fn prepare_layers(
+        m: &'w Model,
+        be: &B,
+        n_layers: usize,
+    ) -> Result<Weights<'w, B>, RuntimeError> {
         let mat = |w: &'w Weight| be.prepare(m.weight_data(w));
         let vec = |v: &[f32]| be.upload(v);
         let opt = |v: &Option<Vec<f32>>| v.as_deref().map(vec).transpose();
@@ -92,8 +102,8 @@ impl<'w, B: Backend + 'w> Weights<'w, B> {
                 down: mat(&f.down)?,
             })
         };
-        let mut layers = Vec::with_capacity(m.layers.len());
-        for l in &m.layers {
+        let mut layers = Vec::with_capacity(n_layers);
+        for l in m.layers.iter().take(n_layers) {
             let attn = match &l.attn {
                 Attention::Std(a) => AttnW::Std {
                     wq: mat(&a.wq)?,
@@ -149,6 +159,13 @@ impl<'w, B: Backend + 'w> Weights<'w, B> {
             output_norm: vec(&m.output_norm)?,
             layers,
         })
+    }
+}
+
+impl<B: Backend> Weights<'_, B> {
+    /// Layers prepared (all of the model's, or the first few of a self-draft).
+    pub fn n_layers(&self) -> usize {
+        self.layers.len()
     }
 }
 
@@ -213,6 +230,20 @@ pub(crate) fn forward<B: Backend>(
     batch: &Batch,
     taps: &mut Taps<'_>,
 ) -> Result<(Vec<f32>, Vec<u32>), RuntimeError> {
+    let x = forward_hidden(m, w, be, cache, batch, taps)?;
+    head(m, w, be, &x, batch.len(), &batch.logit_rows(), taps)
+}
+
+/// The layers of [`forward`]: the residual stream after the last layer, `batch.len() × n_embd`
+/// (the output norm and head not applied), with the batch's keys and values pending in `cache`.
+pub(crate) fn forward_hidden<B: Backend>(
+    m: &Model,
+    w: &Weights<'_, B>,
+    be: &B,
+    cache: &mut KvCache<B>,
+    batch: &Batch,
+    taps: &mut Taps<'_>,
+) -> Result<B::Buf, RuntimeError> {
     let c = m.config();
     batch.validate(c.n_vocab)?;
     let n = batch.len();
@@ -304,20 +335,52 @@ pub(crate) fn forward<B: Backend>(
         be.add(&mut x, &f)?;
         tap(be, taps, || blk(il, "out"), n, d, &x)?;
     }
+    Ok(x)
+}
 
+/// The output norm and head of [`forward`] for rows `rows` (batch indices, ascending) of the
+/// hidden states `x` of `n` tokens, in one pass over the head's weights. Returns the logits on
+/// the host and `rows`.
+pub(crate) fn head<B: Backend>(
+    m: &Model,
+    w: &Weights<'_, B>,
+    be: &B,
+    x: &B::Buf,
+    n: usize,
+    rows: &[u32],
+    taps: &mut Taps<'_>,
+) -> Result<(Vec<f32>, Vec<u32>), RuntimeError> {
+    let c = m.config();
+    let d = c.n_embd;
+    if be.buf_len(x) != n * d {
+        return Err(RuntimeError::Shape {
+            op: "head input (tokens × n_embd)",
+            expected: n * d,
+            found: be.buf_len(x),
+        });
+    }
+    if let Some(&bad) = rows.iter().find(|&&r| r as usize >= n) {
+        return Err(RuntimeError::Shape {
+            op: "head row (< tokens in the batch)",
+            expected: n,
+            found: bad as usize,
+        });
+    }
+    let rows = rows.to_vec();
     // Only the rows whose logits are wanted go through the head (all of them for taps).
-    let rows = batch.logit_rows();
     let all = rows.len() == n;
+    let sel;
     let head_in = if all || taps.enabled() {
         x
     } else {
-        let mut sel = be.alloc(rows.len() * d)?;
-        be.gather_rows(&x, d, &rows, &mut sel)?;
-        sel
+        let mut s = be.alloc(rows.len() * d)?;
+        be.gather_rows(x, d, &rows, &mut s)?;
+        sel = s;
+        &sel
     };
-    let n_head_rows = be.buf_len(&head_in) / d;
+    let n_head_rows = be.buf_len(head_in) / d;
     let mut xn = be.alloc(n_head_rows * d)?;
-    be.rms_norm(&head_in, &w.output_norm, c.rms_eps, &mut xn)?;
+    be.rms_norm(head_in, &w.output_norm, c.rms_eps, &mut xn)?;
     tap(be, taps, || "output_norm".into(), n_head_rows, d, &xn)?;
     let mut logits = matmul(be, &w.output, c.n_vocab, &xn, n_head_rows)?;
     if let Some(cap) = c.final_logit_softcap {
