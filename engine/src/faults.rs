@@ -56,10 +56,25 @@ pub enum Fault {
     /// Expert-parallel ranks hold the weights of the next rank's experts while routing their
     /// own (first seen at the first MoE layer's `ffn_out`).
     TpExpertWrongRank,
+    /// The verify forward's tree mask lets each draft node also see its previous sibling
+    /// (`runtime/batch.rs`; first seen at the `spec.tree-mask` gate).
+    TreeMaskSeesSibling,
+    /// KV compaction after a verify keeps another node's cells in place of the last accepted
+    /// node's (`spec/kv.rs`; first seen at the `spec.compact` gate).
+    CompactKeepsWrongRow,
+    /// The acceptance walk keeps walking into the drafted child after the target rejected it
+    /// (`spec/acceptance.rs`; first seen at the `spec.accept-walk` gate).
+    AcceptPastRejection,
+    /// The acceptance walk accepts a drafted token the drafter is confident about although the
+    /// target drew another (lossy; first seen at the `spec.accept-walk` gate).
+    AcceptByDraftProbability,
+    /// When sampling, the acceptance walk accepts a drafted token of target probability 0 (the
+    /// `coin == 0` bug; first seen at the `spec.support` gate and by the exact-law proof).
+    AcceptZeroProbability,
 }
 
 impl Fault {
-    pub const ALL: [Fault; 14] = [
+    pub const ALL: [Fault; 19] = [
         Fault::RopePositionOffByOne,
         Fault::SkipResidualAdd,
         Fault::SlidingWindowOffByOne,
@@ -74,6 +89,11 @@ impl Fault {
         Fault::TpMissingAttnAllReduce,
         Fault::TpVocabGatherOrder,
         Fault::TpExpertWrongRank,
+        Fault::TreeMaskSeesSibling,
+        Fault::CompactKeepsWrongRow,
+        Fault::AcceptPastRejection,
+        Fault::AcceptByDraftProbability,
+        Fault::AcceptZeroProbability,
     ];
 
     pub fn name(self) -> &'static str {
@@ -92,6 +112,11 @@ impl Fault {
             Fault::TpMissingAttnAllReduce => "tp-missing-attn-allreduce",
             Fault::TpVocabGatherOrder => "tp-vocab-gather-order",
             Fault::TpExpertWrongRank => "tp-expert-wrong-rank",
+            Fault::TreeMaskSeesSibling => "tree-mask-sees-sibling",
+            Fault::CompactKeepsWrongRow => "compact-keeps-wrong-row",
+            Fault::AcceptPastRejection => "accept-past-rejection",
+            Fault::AcceptByDraftProbability => "accept-by-draft-probability",
+            Fault::AcceptZeroProbability => "accept-zero-probability",
         }
     }
 

@@ -6,6 +6,8 @@
 //! - [`model`]: configuration from metadata, checked weight handles ([`model::Weight`], with
 //!   block-aligned shard views), and the forward pass of every architecture.
 //! - [`runtime`]: the core every device, rank, tree and batch runs on (below).
+//! - [`spec`]: tree speculative decoding (proposers, DDTree trees, verify, target-only
+//!   acceptance, KV compaction, budget policy).
 //! - [`tokenizer`], [`sampling`], [`taps`], [`faults`], [`capabilities()`].
 //!
 //! # The core
@@ -55,6 +57,7 @@ pub mod faults;
 pub mod gguf;
 pub mod model;
 pub mod runtime;
+pub mod spec;
 pub mod taps;
 pub mod tokenizer;
 pub mod tp;

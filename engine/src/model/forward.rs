@@ -86,6 +86,17 @@ impl<'w, B: Backend + 'w> Weights<'w, B> {
         Weights::prepare_parts(m, &m.layers, &m.output, be)
     }
 
+    /// [`Weights::prepare`] of the first `n_layers` layers only (with the embedding, output norm
+    /// and head): the target's own first layers as a self-draft model.
+    pub fn prepare_layers(
+        m: &'w Model,
+        be: &B,
+        n_layers: usize,
+    ) -> Result<Weights<'w, B>, RuntimeError> {
+        let n_layers = n_layers.min(m.layers.len());
+        Weights::prepare_parts(m, &m.layers[..n_layers], &m.output, be)
+    }
+
     /// Prepare `layers` and the head `output` (one tensor-parallel rank's shard views of `m`'s
     /// weights, or `m`'s own), with `m`'s embedding table and output norm.
     pub(crate) fn prepare_parts(
@@ -164,6 +175,13 @@ impl<'w, B: Backend + 'w> Weights<'w, B> {
     }
 }
 
+impl<B: Backend> Weights<'_, B> {
+    /// Layers prepared (all of the model's, or the first few of a self-draft).
+    pub fn n_layers(&self) -> usize {
+        self.layers.len()
+    }
+}
+
 /// What every layer of one forward shares: the batch's metadata and the cells it writes.
 struct Step<'a> {
     n: usize,
@@ -232,6 +250,7 @@ pub(crate) fn forward<B: Backend>(
 /// and FFN widths), `w` its shard views, and `rank` does the communication (all-reduce after
 /// the row-parallel attention output and FFN, before any post-norm; logits gather; expert
 /// routing). `None` is the whole model on one device.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn forward_on<B: Backend>(
     c: &ModelConfig,
     w: &Weights<'_, B>,
@@ -241,6 +260,33 @@ pub(crate) fn forward_on<B: Backend>(
     taps: &mut Taps<'_>,
     rank: Option<&dyn RankOps<B>>,
 ) -> Result<(Vec<f32>, Vec<u32>), RuntimeError> {
+    let x = forward_hidden_on(c, w, be, cache, batch, taps, rank)?;
+    head_on(c, w, be, &x, batch.len(), &batch.logit_rows(), taps, rank)
+}
+
+/// The layers of [`forward`]: the residual stream after the last layer, `batch.len() × n_embd`
+/// (the output norm and head not applied), with the batch's keys and values pending in `cache`.
+pub(crate) fn forward_hidden<B: Backend>(
+    m: &Model,
+    w: &Weights<'_, B>,
+    be: &B,
+    cache: &mut KvCache<B>,
+    batch: &Batch,
+    taps: &mut Taps<'_>,
+) -> Result<B::Buf, RuntimeError> {
+    forward_hidden_on(m.config(), w, be, cache, batch, taps, None)
+}
+
+/// [`forward_hidden`] as one tensor-parallel rank runs it (see [`forward_on`]).
+fn forward_hidden_on<B: Backend>(
+    c: &ModelConfig,
+    w: &Weights<'_, B>,
+    be: &B,
+    cache: &mut KvCache<B>,
+    batch: &Batch,
+    taps: &mut Taps<'_>,
+    rank: Option<&dyn RankOps<B>>,
+) -> Result<B::Buf, RuntimeError> {
     batch.validate(c.n_vocab)?;
     let n = batch.len();
     let d = c.n_embd;
@@ -341,20 +387,67 @@ pub(crate) fn forward_on<B: Backend>(
         be.add(&mut x, &f)?;
         tap(be, taps, || blk(il, "out"), n, d, &x)?;
     }
+    Ok(x)
+}
 
+/// The output norm and head of [`forward`] for rows `rows` (batch indices, ascending) of the
+/// hidden states `x` of `n` tokens, in one pass over the head's weights. Returns the logits on
+/// the host and `rows`.
+pub(crate) fn head<B: Backend>(
+    m: &Model,
+    w: &Weights<'_, B>,
+    be: &B,
+    x: &B::Buf,
+    n: usize,
+    rows: &[u32],
+    taps: &mut Taps<'_>,
+) -> Result<(Vec<f32>, Vec<u32>), RuntimeError> {
+    head_on(m.config(), w, be, x, n, rows, taps, None)
+}
+
+/// [`head`] as one tensor-parallel rank runs it: the rank's rows of the vocabulary, then the
+/// logits gathered from every rank (see [`forward_on`]).
+#[allow(clippy::too_many_arguments)]
+fn head_on<B: Backend>(
+    c: &ModelConfig,
+    w: &Weights<'_, B>,
+    be: &B,
+    x: &B::Buf,
+    n: usize,
+    rows: &[u32],
+    taps: &mut Taps<'_>,
+    rank: Option<&dyn RankOps<B>>,
+) -> Result<(Vec<f32>, Vec<u32>), RuntimeError> {
+    let d = c.n_embd;
+    if be.buf_len(x) != n * d {
+        return Err(RuntimeError::Shape {
+            op: "head input (tokens × n_embd)",
+            expected: n * d,
+            found: be.buf_len(x),
+        });
+    }
+    if let Some(&bad) = rows.iter().find(|&&r| r as usize >= n) {
+        return Err(RuntimeError::Shape {
+            op: "head row (< tokens in the batch)",
+            expected: n,
+            found: bad as usize,
+        });
+    }
+    let rows = rows.to_vec();
     // Only the rows whose logits are wanted go through the head (all of them for taps).
-    let rows = batch.logit_rows();
     let all = rows.len() == n;
+    let sel;
     let head_in = if all || taps.enabled() {
         x
     } else {
-        let mut sel = be.alloc(rows.len() * d)?;
-        be.gather_rows(&x, d, &rows, &mut sel)?;
-        sel
+        let mut s = be.alloc(rows.len() * d)?;
+        be.gather_rows(x, d, &rows, &mut s)?;
+        sel = s;
+        &sel
     };
-    let n_head_rows = be.buf_len(&head_in) / d;
+    let n_head_rows = be.buf_len(head_in) / d;
     let mut xn = be.alloc(n_head_rows * d)?;
-    be.rms_norm(&head_in, &w.output_norm, c.rms_eps, &mut xn)?;
+    be.rms_norm(head_in, &w.output_norm, c.rms_eps, &mut xn)?;
     tap(be, taps, || "output_norm".into(), n_head_rows, d, &xn)?;
     let vocab_rows = rank.map_or(c.n_vocab, |r| r.vocab_rows());
     let mut logits = matmul(be, &w.output, vocab_rows, &xn, n_head_rows)?;

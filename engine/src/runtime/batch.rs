@@ -156,6 +156,12 @@ impl Batch {
                 tail[..words].copy_from_slice(&head[p * words..(p + 1) * words]);
             }
             bits[i * words + i / 64] |= 1 << (i % 64);
+            if crate::faults::is_active(crate::faults::Fault::TreeMaskSeesSibling) && self.tree {
+                // A mask that also lets a node see its previous sibling.
+                if let Some(s) = (0..i).rev().find(|&s| self.parent[s] == self.parent[i]) {
+                    bits[i * words + s / 64] |= 1 << (s % 64);
+                }
+            }
         }
         (bits, words)
     }

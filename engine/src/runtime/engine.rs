@@ -39,6 +39,24 @@ impl Logits {
     }
 }
 
+/// The last layer's residual stream of a forward's tokens ([`Engine::forward_hidden`]), on the
+/// backend.
+pub struct Hidden<B: Backend> {
+    buf: B::Buf,
+    n: usize,
+}
+
+impl<B: Backend> Hidden<B> {
+    /// Tokens (rows).
+    pub fn len(&self) -> usize {
+        self.n
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.n == 0
+    }
+}
+
 /// A model with its weights prepared on one backend. Cheap to share: every [`KvCache`] and
 /// [`super::Session`] runs on it.
 pub struct Engine<'m, B: Backend + 'm> {
@@ -57,6 +75,32 @@ impl<'m, B: Backend + 'm> Engine<'m, B> {
         })
     }
 
+    /// Prepare only the first `n_layers` layers of `model` (with its embedding and head): the
+    /// target's own first layers as a self-draft model. Its caches have `n_layers` layers.
+    pub fn with_layers(
+        model: &'m Model,
+        backend: &'m B,
+        n_layers: usize,
+    ) -> Result<Engine<'m, B>, RuntimeError> {
+        if n_layers == 0 || n_layers > model.config().n_layer {
+            return Err(RuntimeError::Shape {
+                op: "self-draft layers (1 ..= the model's layers)",
+                expected: model.config().n_layer,
+                found: n_layers,
+            });
+        }
+        Ok(Engine {
+            model,
+            backend,
+            weights: Weights::prepare_layers(model, backend, n_layers)?,
+        })
+    }
+
+    /// Layers this engine runs (all of the model's, or a self-draft's first few).
+    pub fn n_layers(&self) -> usize {
+        self.weights.n_layers()
+    }
+
     pub fn model(&self) -> &'m Model {
         self.model
     }
@@ -67,7 +111,75 @@ impl<'m, B: Backend + 'm> Engine<'m, B> {
 
     /// An empty cache for this model of at most `capacity` cells.
     pub fn new_cache(&self, capacity: usize, dtype: KvDtype) -> Result<KvCache<B>, RuntimeError> {
-        KvCache::new(self.backend, self.model.config(), capacity, dtype)
+        KvCache::with_layers(
+            self.backend,
+            self.model.config(),
+            self.weights.n_layers(),
+            capacity,
+            dtype,
+        )
+    }
+
+    /// The layers of [`Engine::forward`] without the output head: the last layer's residual
+    /// stream for every batch token, to send any subset of rows through [`Engine::head`] later
+    /// (tree verification computes logits only for the nodes the acceptance walk visits). The
+    /// batch's cells are pending in `cache` as after `forward`; on error nothing is left pending.
+    pub fn forward_hidden(
+        &self,
+        cache: &mut KvCache<B>,
+        batch: &Batch,
+    ) -> Result<Hidden<B>, RuntimeError> {
+        let buf = self.guarded(cache, |cache| {
+            let mut taps = Taps::new(None);
+            forward::forward_hidden(
+                self.model,
+                &self.weights,
+                self.backend,
+                cache,
+                batch,
+                &mut taps,
+            )
+        })?;
+        Ok(Hidden {
+            buf,
+            n: batch.len(),
+        })
+    }
+
+    /// Run `f` on a cache with nothing pending; on error leave nothing pending.
+    fn guarded<T>(
+        &self,
+        cache: &mut KvCache<B>,
+        f: impl FnOnce(&mut KvCache<B>) -> Result<T, RuntimeError>,
+    ) -> Result<T, RuntimeError> {
+        if !cache.pending().is_empty() {
+            return Err(RuntimeError::PendingCells {
+                n: cache.pending().len(),
+            });
+        }
+        f(cache).inspect_err(|_| cache.rollback())
+    }
+
+    /// Logits of rows `rows` (batch indices, ascending) of `hidden`, in one pass over the
+    /// head's weights.
+    pub fn head(&self, hidden: &Hidden<B>, rows: &[usize]) -> Result<Logits, RuntimeError> {
+        let rows: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
+        let mut taps = Taps::new(None);
+        let (data, rows) = forward::head(
+            self.model,
+            &self.weights,
+            self.backend,
+            &hidden.buf,
+            hidden.n,
+            &rows,
+            &mut taps,
+        )?;
+        Ok(Logits {
+            data,
+            n_rows: rows.len(),
+            n_vocab: self.model.config().n_vocab,
+            tokens: rows.into_iter().map(|r| r as usize).collect(),
+        })
     }
 
     /// Run `batch`: every token at its position in its sequence, attending to its sequence's
@@ -81,30 +193,22 @@ impl<'m, B: Backend + 'm> Engine<'m, B> {
         batch: &Batch,
         taps: Option<&mut dyn TapObserver>,
     ) -> Result<Logits, RuntimeError> {
-        if !cache.pending().is_empty() {
-            return Err(RuntimeError::PendingCells {
-                n: cache.pending().len(),
-            });
-        }
-        let mut taps = Taps::new(taps);
-        match forward::forward(
-            self.model,
-            &self.weights,
-            self.backend,
-            cache,
-            batch,
-            &mut taps,
-        ) {
-            Ok((data, rows)) => Ok(Logits {
-                data,
-                n_rows: rows.len(),
-                n_vocab: self.model.config().n_vocab,
-                tokens: rows.into_iter().map(|r| r as usize).collect(),
-            }),
-            Err(e) => {
-                cache.rollback();
-                Err(e)
-            }
-        }
+        let (data, rows) = self.guarded(cache, |cache| {
+            let mut taps = Taps::new(taps);
+            forward::forward(
+                self.model,
+                &self.weights,
+                self.backend,
+                cache,
+                batch,
+                &mut taps,
+            )
+        })?;
+        Ok(Logits {
+            data,
+            n_rows: rows.len(),
+            n_vocab: self.model.config().n_vocab,
+            tokens: rows.into_iter().map(|r| r as usize).collect(),
+        })
     }
 }

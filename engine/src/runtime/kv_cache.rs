@@ -49,8 +49,19 @@ impl<B: Backend> KvCache<B> {
         capacity: usize,
         dtype: KvDtype,
     ) -> Result<KvCache<B>, RuntimeError> {
+        Self::with_layers(be, config, config.n_layer, capacity, dtype)
+    }
+
+    /// [`KvCache::new`] for the first `n_layers` layers only (a self-draft model).
+    pub fn with_layers(
+        be: &B,
+        config: &ModelConfig,
+        n_layers: usize,
+        capacity: usize,
+        dtype: KvDtype,
+    ) -> Result<KvCache<B>, RuntimeError> {
         let (kw, vw) = Self::widths_for(config);
-        let layers = (0..config.n_layer)
+        let layers = (0..n_layers)
             .map(|_| be.kv_new(kw, vw, dtype))
             .collect::<Result<_, _>>()?;
         Ok(KvCache {
@@ -268,6 +279,21 @@ impl<B: Backend> KvCache<B> {
             .filter(|&i| {
                 let c = self.cells[i as usize];
                 c.seq == seq && c.batch == CellMeta::COMMITTED && c.pos >= from
+            })
+            .collect();
+        for c in drop {
+            self.release(c);
+        }
+        self.sort_free();
+    }
+
+    /// Forget the committed positions `..before` of `seq` (a sliding draft window: attention
+    /// then sees only the positions kept; the positions of what is kept do not change).
+    pub fn forget_before(&mut self, seq: SeqId, before: u32) {
+        let drop: Vec<u32> = (0..self.cells.len() as u32)
+            .filter(|&i| {
+                let c = self.cells[i as usize];
+                c.seq == seq && c.batch == CellMeta::COMMITTED && c.pos < before
             })
             .collect();
         for c in drop {

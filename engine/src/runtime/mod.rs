@@ -27,7 +27,7 @@ pub use backend::{
 };
 pub use batch::Batch;
 pub use cpu::{CpuBackend, CpuKv, CpuMat};
-pub use engine::{Engine, Logits};
+pub use engine::{Engine, Hidden, Logits};
 pub use error::RuntimeError;
 pub use kv_cache::KvCache;
 pub use session::Session;

@@ -1,0 +1,390 @@
+//! Tree speculative decoding (DDTree-style), lossless by construction.
+//!
+//! One round: a [`Proposer`] drafts a tree after the text ([`tree::build`], best-first over path
+//! log-probability, node budget B, top-k per node); [`verify::verify`] runs the root and the B
+//! nodes through the target in one forward (ancestor-only mask ∩ sliding window, positions =
+//! start + depth); [`acceptance::walk`] draws each next token from the *target* at the visited
+//! node and follows the child that carries it; [`kv::keep_path`] keeps the accepted path's cells
+//! and drops the rest; [`policy::Policy`] picks B from the measured cost of verifying n tokens
+//! and the observed acceptance, down to plain decoding when speculation would not pay.
+//!
+//! Invariants (each has a test; `docs/SPEC.md` has the proof):
+//! - The drafter's probabilities never decide what is emitted; only the target's logits and the
+//!   sampler's one draw per emitted token do, in the same order as plain decoding. Greedy
+//!   speculation therefore emits plain greedy's tokens, and seeded sampling plain seeded
+//!   sampling's.
+//! - A token of target probability 0 is never emitted.
+//! - Generation stops at end-of-generation, a stop rule or the token limit inside an accepted
+//!   path, without emitting past it.
+//! - After a round the cache holds exactly the emitted text's cells but the last token's, laid
+//!   out as plain decoding lays them out.
+//!
+//! Start reading at [`generate`].
+
+pub mod acceptance;
+pub mod kv;
+pub mod policy;
+pub mod proposer;
+pub mod tree;
+pub mod verify;
+
+use std::time::Instant;
+
+use crate::runtime::{Backend, Batch, Engine, KvCache, RuntimeError};
+use crate::sampling::Sampler;
+
+pub use acceptance::{walk, Flow, SamplerTarget, Target, Walk};
+pub use policy::{CostCurve, Policy};
+pub use proposer::{ModelProposer, NgramProposer, Proposer, SyntheticProposer, TableProposer};
+pub use tree::{Tree, TreeShape};
+pub use verify::HeadRows;
+
+/// The sequence id speculation uses in the target's cache.
+pub const SEQ: u32 = 0;
+
+/// Why speculation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum SpecError {
+    #[error(transparent)]
+    Runtime(#[from] RuntimeError),
+    #[error("the context is empty; speculation needs at least one token")]
+    EmptyContext,
+    #[error("token {token} is outside the drafter's vocabulary of {n_vocab}")]
+    VocabMismatch { token: u32, n_vocab: usize },
+    #[error(
+        "the drafter's vocabulary has {draft} tokens, the target's {target}; they must be equal"
+    )]
+    DrafterVocab { draft: usize, target: usize },
+    #[error("{0}")]
+    Config(String),
+}
+
+/// How to speculate.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SpecConfig {
+    /// The largest tree: budget, top-k, deepest depth.
+    pub shape: TreeShape,
+    /// Pick the budget per round from measured cost and acceptance (else always `shape.budget`).
+    pub adaptive: bool,
+    /// Which head rows the first head pass computes.
+    pub head_rows: HeadRows,
+    /// Keep each round's tree, visited logits and walk in [`SpecOutput::trace`] (for checks).
+    pub trace: bool,
+}
+
+impl SpecConfig {
+    /// The deployment's shape: budget 8, top-k 4, fixed.
+    pub fn new(budget: usize, top_k: usize) -> SpecConfig {
+        SpecConfig {
+            shape: TreeShape::new(budget, top_k),
+            adaptive: false,
+            head_rows: HeadRows::All,
+            trace: false,
+        }
+    }
+
+    pub fn validate(&self) -> Result<(), SpecError> {
+        if self.shape.budget > 256 {
+            return Err(SpecError::Config(format!(
+                "the node budget is at most 256, found {}",
+                self.shape.budget
+            )));
+        }
+        if self.shape.budget > 0 && self.shape.top_k == 0 {
+            return Err(SpecError::Config(
+                "top-k must be at least 1 when the budget is above 0".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// When generation stops.
+#[derive(Clone, Debug, Default)]
+pub struct Limits {
+    pub max_tokens: usize,
+    /// End-of-generation ids (not emitted).
+    pub eog: Vec<u32>,
+    /// Token sequences that end generation once the output ends with one (emitted).
+    pub stop_sequences: Vec<Vec<u32>>,
+}
+
+impl Limits {
+    /// The decision after `token`, given the output before it.
+    pub fn after(&self, out: &[u32], token: u32) -> Flow {
+        if self.eog.contains(&token) {
+            return Flow::StopBefore;
+        }
+        if out.len() + 1 >= self.max_tokens {
+            return Flow::Stop;
+        }
+        let ends = |s: &Vec<u32>| {
+            !s.is_empty()
+                && s.last() == Some(&token)
+                && out.len() + 1 >= s.len()
+                && out[out.len() + 1 - s.len()..] == s[..s.len() - 1]
+        };
+        if self.stop_sequences.iter().any(ends) {
+            return Flow::Stop;
+        }
+        Flow::Continue
+    }
+}
+
+/// One round, kept when [`SpecConfig::trace`] is set.
+#[derive(Clone, Debug)]
+pub struct Round {
+    /// Output tokens before the round (the root is the last of prompt + output).
+    pub at: usize,
+    pub tree: Tree,
+    /// The target's logits at each visited node, in walk order: (node, logits).
+    pub visited: Vec<(usize, Vec<f32>)>,
+    pub walk: Walk,
+}
+
+/// Counters of a speculative generation.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct SpecStats {
+    /// Verify forwards (plain steps included) after the prefill.
+    pub rounds: usize,
+    /// Rounds that verified at least one draft node.
+    pub spec_rounds: usize,
+    /// Tokens emitted by speculative rounds (accepted drafts and the token drawn after them).
+    pub spec_tokens: usize,
+    /// Draft nodes verified.
+    pub drafted: usize,
+    /// Per depth d (index d - 1): speculative rounds whose tree reached depth d, and rounds
+    /// whose accepted path did.
+    pub depth_offered: Vec<usize>,
+    pub depth_accepted: Vec<usize>,
+    /// Per budget: rounds run with it.
+    pub budget_rounds: Vec<(usize, usize)>,
+    pub head_passes: usize,
+    pub head_rows: usize,
+    pub prefill_secs: f64,
+    pub draft_secs: f64,
+    pub verify_secs: f64,
+    /// Wall time after the prefill (draft, verify, walk, compaction, policy).
+    pub decode_secs: f64,
+}
+
+impl SpecStats {
+    /// τ: mean tokens emitted per speculative round (accepted drafts + 1).
+    pub fn tau(&self) -> f64 {
+        if self.spec_rounds == 0 {
+            return 0.0;
+        }
+        self.spec_tokens as f64 / self.spec_rounds as f64
+    }
+
+    /// Acceptance at each depth: of the speculative rounds whose tree reached depth d, the
+    /// fraction whose accepted path did.
+    pub fn acceptance_by_depth(&self) -> Vec<f64> {
+        self.depth_offered
+            .iter()
+            .zip(&self.depth_accepted)
+            .map(|(&o, &a)| if o == 0 { 0.0 } else { a as f64 / o as f64 })
+            .collect()
+    }
+
+    fn count_budget(&mut self, b: usize) {
+        match self.budget_rounds.iter_mut().find(|x| x.0 == b) {
+            Some(x) => x.1 += 1,
+            None => {
+                self.budget_rounds.push((b, 1));
+                self.budget_rounds.sort_unstable();
+            }
+        }
+    }
+}
+
+/// The result of [`generate`].
+#[derive(Clone, Debug)]
+pub struct SpecOutput {
+    /// Emitted tokens (no end-of-generation token).
+    pub tokens: Vec<u32>,
+    pub stats: SpecStats,
+    pub trace: Vec<Round>,
+    /// The policy's cost curve and acceptance at the end (adaptive runs).
+    pub policy: Option<Policy>,
+}
+
+/// Measure the target's forward of `n` tokens for `n = 1..=max_n` (best of `reps`), on a cache
+/// holding the context; every measurement is rolled back.
+pub fn measure_cost<'m, B: Backend + 'm>(
+    engine: &Engine<'m, B>,
+    cache: &mut KvCache<B>,
+    token: u32,
+    max_n: usize,
+    reps: usize,
+) -> Result<CostCurve, SpecError> {
+    let start = cache.next_pos(SEQ);
+    let mut secs = Vec::with_capacity(max_n);
+    for n in 1..=max_n.max(1) {
+        let mut best = f64::INFINITY;
+        for _ in 0..reps.max(1) {
+            let batch = Batch::chain(SEQ, start, &vec![token; n], true);
+            let t = Instant::now();
+            engine.forward(cache, &batch, None)?;
+            best = best.min(t.elapsed().as_secs_f64());
+            cache.rollback();
+        }
+        secs.push(best);
+    }
+    Ok(CostCurve { secs })
+}
+
+/// Generate after `prompt` with tree speculation: prefill, draw the first token, then rounds of
+/// draft → verify → walk → keep the accepted path, until `limits` stop it. `cache` must be empty
+/// and hold at least `prompt.len() + max_tokens + budget + 1` cells.
+pub fn generate<'m, B: Backend + 'm>(
+    engine: &Engine<'m, B>,
+    cache: &mut KvCache<B>,
+    prompt: &[u32],
+    proposer: &mut dyn Proposer,
+    sampler: &mut Sampler,
+    cfg: &SpecConfig,
+    limits: &Limits,
+) -> Result<SpecOutput, SpecError> {
+    cfg.validate()?;
+    if prompt.is_empty() {
+        return Err(SpecError::EmptyContext);
+    }
+    let be = engine.backend();
+    let mut stats = SpecStats::default();
+    let mut trace = Vec::new();
+    let mut out: Vec<u32> = Vec::new();
+    let mut history = prompt.to_vec();
+    if limits.max_tokens == 0 {
+        return Ok(SpecOutput {
+            tokens: out,
+            stats,
+            trace,
+            policy: None,
+        });
+    }
+
+    let t0 = Instant::now();
+    let logits = engine.forward(cache, &Batch::chain(SEQ, 0, prompt, false), None)?;
+    cache.commit();
+    stats.prefill_secs = t0.elapsed().as_secs_f64();
+    let first = sampler.sample(logits.last(), &history);
+    let flow = limits.after(&out, first);
+    if flow == Flow::StopBefore {
+        return Ok(SpecOutput {
+            tokens: out,
+            stats,
+            trace,
+            policy: None,
+        });
+    }
+    out.push(first);
+    history.push(first);
+    if flow == Flow::Stop {
+        return Ok(SpecOutput {
+            tokens: out,
+            stats,
+            trace,
+            policy: None,
+        });
+    }
+
+    let t_decode = Instant::now();
+    let mut policy = if cfg.adaptive && cfg.shape.budget > 0 {
+        let cost = measure_cost(engine, cache, first, cfg.shape.budget + 1, 2)?;
+        Some(Policy::new(cfg.shape.budget, cost))
+    } else {
+        None
+    };
+    loop {
+        let budget = policy.as_ref().map_or(cfg.shape.budget, |p| p.choose());
+        // Draft: the full tree when drafting is cheap (the policy learns from it even on a
+        // plain round); a costly drafter only when it speculates.
+        let td = Instant::now();
+        let full = if budget > 0 || (policy.is_some() && !proposer.is_costly()) {
+            proposer.propose(&history, cfg.shape)?
+        } else {
+            Tree::root(history[history.len() - 1])
+        };
+        let draft_secs = td.elapsed().as_secs_f64();
+        stats.draft_secs += draft_secs;
+        let tree = full.prefix(budget);
+        if let Some(p) = policy.as_mut() {
+            if budget > 0 && proposer.is_costly() {
+                p.draft_secs += 0.2 * (draft_secs - p.draft_secs);
+            }
+            p.record(out.len(), full);
+        }
+
+        let tv = Instant::now();
+        let mut verified = verify::verify(engine, cache, &tree, SEQ, cfg.head_rows)?;
+        let mut visited = Vec::new();
+        let before = out.len();
+        let walk = {
+            let mut row = |node: usize| -> Result<Vec<f32>, SpecError> {
+                let l = verified.logits(engine, node)?;
+                if cfg.trace {
+                    visited.push((node, l.clone()));
+                }
+                Ok(l)
+            };
+            let mut emit = |token: u32| {
+                let f = limits.after(&out, token);
+                if f != Flow::StopBefore {
+                    out.push(token);
+                }
+                f
+            };
+            let mut target = acceptance::SamplerTarget::new(&mut row, sampler);
+            acceptance::walk(&tree, &mut target, &mut history, &mut emit)?
+        };
+        stats.head_passes += verified.head_passes;
+        stats.head_rows += verified.head_rows;
+        drop(verified);
+        kv::keep_path(be, cache, &walk.path)?;
+        let verify_secs = tv.elapsed().as_secs_f64();
+        stats.verify_secs += verify_secs;
+        stats.rounds += 1;
+        stats.count_budget(tree.n_draft());
+        if !tree.is_empty() {
+            stats.spec_rounds += 1;
+            stats.spec_tokens += out.len() - before;
+            stats.drafted += tree.n_draft();
+            let d_tree = tree.max_depth() as usize;
+            let d_acc = walk.path.len() - 1;
+            if stats.depth_offered.len() < d_tree {
+                stats.depth_offered.resize(d_tree, 0);
+                stats.depth_accepted.resize(d_tree, 0);
+            }
+            for d in 0..d_tree {
+                stats.depth_offered[d] += 1;
+                if d < d_acc {
+                    stats.depth_accepted[d] += 1;
+                }
+            }
+        }
+        if let Some(p) = policy.as_mut() {
+            p.measured(tree.len(), verify_secs);
+            p.observe(&out);
+        }
+        let stopped = walk.stopped;
+        if cfg.trace {
+            trace.push(Round {
+                at: before,
+                tree,
+                visited,
+                walk,
+            });
+        }
+        if stopped {
+            break;
+        }
+    }
+    stats.decode_secs = t_decode.elapsed().as_secs_f64();
+    Ok(SpecOutput {
+        tokens: out,
+        stats,
+        trace,
+        policy,
+    })
+}

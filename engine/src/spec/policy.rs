@@ -1,0 +1,224 @@
+//! Choosing the node budget: from the measured cost of verifying `n` tokens and the observed
+//! acceptance, speculate with the budget that gives the most tokens per second, or decode plainly
+//! when no budget beats one token per plain step.
+//!
+//! Acceptance is observed exactly, also for budgets not run: target-only acceptance emits the
+//! tokens plain decoding would emit, and the tree of budget `b` is the first `b` nodes of the
+//! tree of any larger budget (best-first order is the same), so once the tokens after a tree are
+//! known, the tokens budget `b` would have accepted is the number of nodes `≤ b` on the path of
+//! the tree that matches them. The policy keeps each round's tree (also on plain rounds, when
+//! drafting is cheap) until its continuation is known, and keeps a running mean of accepted
+//! tokens per budget.
+
+use std::collections::VecDeque;
+
+use super::tree::Tree;
+
+/// Cost of one target forward of `n` tokens relative to one token, `cost[n - 1]`, measured.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CostCurve {
+    /// Seconds of a forward of `n` tokens, `secs[n - 1]`.
+    pub secs: Vec<f64>,
+}
+
+impl CostCurve {
+    /// Seconds for `n` tokens (`n ≥ 1`; past the measured range, linear from the last two).
+    pub fn secs(&self, n: usize) -> f64 {
+        let n = n.max(1);
+        match self.secs.len() {
+            0 => n as f64,
+            len if n <= len => self.secs[n - 1],
+            1 => self.secs[0] * n as f64,
+            len => {
+                let slope = (self.secs[len - 1] - self.secs[len - 2]).max(0.0);
+                self.secs[len - 1] + slope * (n - len) as f64
+            }
+        }
+    }
+
+    /// Cost of `n` tokens over the cost of one.
+    pub fn ratio(&self, n: usize) -> f64 {
+        self.secs(n) / self.secs(1).max(f64::MIN_POSITIVE)
+    }
+}
+
+/// The policy's state.
+#[derive(Clone, Debug)]
+pub struct Policy {
+    /// Budgets considered (0 is plain decoding).
+    pub budgets: Vec<usize>,
+    pub cost: CostCurve,
+    /// Mean accepted draft tokens per round for each budget, and rounds observed.
+    accepted: Vec<f64>,
+    observed: usize,
+    /// Mean seconds of one draft (a model drafter's forwards), measured.
+    pub draft_secs: f64,
+    /// Trees waiting for their continuation: (index in the output where the tree's first
+    /// draft token would go, tree).
+    pending: VecDeque<(usize, Tree)>,
+    /// A budget must beat plain decoding by this factor to be chosen (hysteresis against noise
+    /// in the measured costs).
+    pub margin: f64,
+    /// Rounds before the first choice from observations (until then: the largest budget).
+    pub warmup: usize,
+}
+
+impl Policy {
+    pub fn new(max_budget: usize, cost: CostCurve) -> Policy {
+        let mut budgets = vec![0usize];
+        let mut b = 1;
+        while b < max_budget {
+            budgets.push(b);
+            b *= 2;
+        }
+        if max_budget > 0 {
+            budgets.push(max_budget);
+        }
+        budgets.dedup();
+        Policy {
+            accepted: vec![0.0; budgets.len()],
+            budgets,
+            cost,
+            observed: 0,
+            draft_secs: 0.0,
+            pending: VecDeque::new(),
+            margin: 1.05,
+            warmup: 4,
+        }
+    }
+
+    /// Expected tokens per second with budget `b` (relative units), from what was observed.
+    pub fn rate(&self, i: usize) -> f64 {
+        let b = self.budgets[i];
+        if b == 0 {
+            return 1.0 / self.cost.secs(1);
+        }
+        (1.0 + self.accepted[i]) / (self.cost.secs(b + 1) + self.draft_secs)
+    }
+
+    /// The budget for the next round.
+    pub fn choose(&self) -> usize {
+        if self.observed < self.warmup {
+            return *self.budgets.last().unwrap_or(&0);
+        }
+        let plain = self.rate(0);
+        let (mut best, mut best_rate) = (0, plain * self.margin);
+        for i in 1..self.budgets.len() {
+            let r = self.rate(i);
+            if r > best_rate {
+                best = self.budgets[i];
+                best_rate = r;
+            }
+        }
+        best
+    }
+
+    /// Remember `tree`, drafted when the output had `at` tokens (its first draft token would be
+    /// output token `at`).
+    pub fn record(&mut self, at: usize, tree: Tree) {
+        if !tree.is_empty() {
+            self.pending.push_back((at, tree));
+        }
+    }
+
+    /// The output so far: settle every remembered tree whose continuation is known.
+    pub fn observe(&mut self, output: &[u32]) {
+        while let Some((at, tree)) = self.pending.front() {
+            let need = *at + tree.max_depth() as usize;
+            let done = output.len() >= need;
+            if !done {
+                break;
+            }
+            let (at, tree) = match self.pending.pop_front() {
+                Some(x) => x,
+                None => break,
+            };
+            // The path of the tree that the output follows, node indices.
+            let mut node = 0;
+            let mut path = Vec::new();
+            for &t in &output[at..] {
+                match tree.child_with(node, t) {
+                    Some(c) => {
+                        path.push(c);
+                        node = c;
+                    }
+                    None => break,
+                }
+            }
+            self.observed += 1;
+            let w = 1.0 / (self.observed.min(32) as f64);
+            for (i, &b) in self.budgets.iter().enumerate() {
+                let acc = path.iter().filter(|&&n| n <= b).count() as f64;
+                self.accepted[i] += w * (acc - self.accepted[i]);
+            }
+        }
+    }
+
+    /// Update the cost of `n` tokens with a measurement (a running mean).
+    pub fn measured(&mut self, n: usize, secs: f64) {
+        if n == 0 || !secs.is_finite() {
+            return;
+        }
+        if self.cost.secs.len() < n {
+            let fill: Vec<f64> = (self.cost.secs.len() + 1..=n)
+                .map(|k| self.cost.secs(k))
+                .collect();
+            self.cost.secs.extend(fill);
+        }
+        let s = &mut self.cost.secs[n - 1];
+        *s += 0.1 * (secs - *s);
+    }
+
+    /// Mean accepted draft tokens per round for each budget.
+    pub fn accepted(&self) -> Vec<(usize, f64)> {
+        self.budgets
+            .iter()
+            .copied()
+            .zip(self.accepted.iter().copied())
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chain(tokens: &[u32]) -> Tree {
+        let mut t = Tree::root(0);
+        for (i, &tok) in tokens.iter().enumerate() {
+            t.push(tok, i, -(i as f64), 0);
+        }
+        t
+    }
+
+    #[test]
+    fn falls_back_when_verifying_costs_more_than_it_gains() {
+        // Verifying 9 tokens costs 8 plain steps; drafts are never right.
+        let cost = CostCurve {
+            secs: (1..=9).map(|n| n as f64).collect(),
+        };
+        let mut p = Policy::new(8, cost);
+        for r in 0..10 {
+            p.record(r, chain(&[99, 98]));
+            p.observe(&vec![1; r + 3]);
+        }
+        assert_eq!(p.choose(), 0);
+    }
+
+    #[test]
+    fn speculates_when_drafts_are_right_and_verify_is_cheap() {
+        // Verifying costs little more than one token; the drafts are always right.
+        let cost = CostCurve {
+            secs: (1..=9).map(|n| 1.0 + 0.05 * n as f64).collect(),
+        };
+        let mut p = Policy::new(8, cost);
+        let out: Vec<u32> = (0..100).collect();
+        for r in 0..10 {
+            p.record(r, chain(&out[r..r + 8]));
+            p.observe(&out[..r + 9]);
+        }
+        assert_eq!(p.choose(), 8);
+        // Budget 2 would have accepted exactly 2.
+        assert_eq!(p.accepted()[2], (2, 2.0));
+    }
+}

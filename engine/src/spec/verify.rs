@@ -1,0 +1,133 @@
+//! The verify forward: every node of the tree in one batch, node `i` at position
+//! `start + depth(i)` under its parent, so each node attends to the committed cache and to its
+//! own ancestors only (the core's tree mask, intersected with each layer's sliding window by the
+//! same [`crate::runtime::Mask`]).
+//!
+//! The output head (for Gemma 3: 262k rows) is most of a decode step, so the layers run first
+//! ([`Engine::forward_hidden`]) and head rows are computed only for the nodes the acceptance
+//! walk may visit, in one pass over the head's weights per [`HeadRows`] plan.
+
+use std::collections::HashMap;
+
+use crate::runtime::{Backend, Batch, Engine, Hidden, KvCache, SeqId};
+
+use super::tree::Tree;
+use super::SpecError;
+
+/// Which nodes' logits the first head pass computes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HeadRows {
+    /// Every node (one pass; never a second).
+    All,
+    /// The root and the drafter's best chain below it; any other node the walk reaches is
+    /// computed on demand together with its own best chain (one more pass each time).
+    Chain,
+}
+
+/// The verify batch of `tree` for sequence `seq` whose next position is `start`.
+pub fn tree_batch(tree: &Tree, seq: SeqId, start: u32) -> Batch {
+    let mut b = Batch::new();
+    for i in 0..tree.len() {
+        let pos = start + tree.depth(i);
+        match tree.parent(i) {
+            None => b.push_node(tree.token(i), pos, seq, None, false),
+            Some(p) => b.push_node(tree.token(i), pos, seq, Some(p), false),
+        };
+    }
+    b
+}
+
+/// A tree run through the target's layers, with the logits computed so far.
+pub struct Verified<'t, B: Backend> {
+    tree: &'t Tree,
+    hidden: Hidden<B>,
+    logits: HashMap<usize, Vec<f32>>,
+    plan: HeadRows,
+    /// Head passes and rows computed.
+    pub head_passes: usize,
+    pub head_rows: usize,
+}
+
+/// Run `tree` (root first) through the target's layers; its cells are pending in `cache`
+/// until [`super::kv::keep_path`] keeps the accepted path.
+pub fn verify<'t, 'm, B: Backend + 'm>(
+    engine: &Engine<'m, B>,
+    cache: &mut KvCache<B>,
+    tree: &'t Tree,
+    seq: SeqId,
+    plan: HeadRows,
+) -> Result<Verified<'t, B>, SpecError> {
+    let start = cache.next_pos(seq);
+    let batch = tree_batch(tree, seq, start);
+    let hidden = engine.forward_hidden(cache, &batch)?;
+    let mut v = Verified {
+        tree,
+        hidden,
+        logits: HashMap::new(),
+        plan,
+        head_passes: 0,
+        head_rows: 0,
+    };
+    let first = match plan {
+        HeadRows::All => (0..tree.len()).collect(),
+        HeadRows::Chain => best_chain(tree, 0),
+    };
+    v.compute(engine, first)?;
+    Ok(v)
+}
+
+/// `from` and its best-ranked descendants, down to a leaf.
+fn best_chain(tree: &Tree, from: usize) -> Vec<usize> {
+    let mut chain = vec![from];
+    let mut at = from;
+    while let Some(c) = tree.children(at).next() {
+        chain.push(c);
+        at = c;
+    }
+    chain
+}
+
+impl<B: Backend> Verified<'_, B> {
+    fn compute<'m>(&mut self, engine: &Engine<'m, B>, mut rows: Vec<usize>) -> Result<(), SpecError>
+    where
+        B: 'm,
+    {
+        rows.retain(|r| !self.logits.contains_key(r));
+        rows.sort_unstable();
+        rows.dedup();
+        if rows.is_empty() {
+            return Ok(());
+        }
+        let l = engine.head(&self.hidden, &rows)?;
+        self.head_passes += 1;
+        self.head_rows += rows.len();
+        for (i, &r) in rows.iter().enumerate() {
+            self.logits.insert(r, l.row(i).to_vec());
+        }
+        Ok(())
+    }
+
+    /// The target's logits at `node` (computed now if the plan skipped it).
+    pub fn logits<'m>(&mut self, engine: &Engine<'m, B>, node: usize) -> Result<Vec<f32>, SpecError>
+    where
+        B: 'm,
+    {
+        if node >= self.tree.len() {
+            return Err(SpecError::Config(format!(
+                "node {node} is outside the tree of {} nodes",
+                self.tree.len()
+            )));
+        }
+        if !self.logits.contains_key(&node) {
+            let rows = match self.plan {
+                HeadRows::All => vec![node],
+                HeadRows::Chain => best_chain(self.tree, node),
+            };
+            self.compute(engine, rows)?;
+        }
+        self.logits
+            .get(&node)
+            .cloned()
+            .ok_or_else(|| SpecError::Config(format!("no logits computed for node {node}")))
+    }
+}
