@@ -64,6 +64,10 @@ pub enum RuntimeError {
 
     #[error(transparent)]
     Model(#[from] ModelError),
+
+    #[cfg(feature = "cuda")]
+    #[error(transparent)]
+    Cuda(#[from] super::cuda::CudaError),
 }
 
 /// Check that a buffer has the length an operation expects.
