@@ -19,11 +19,17 @@ if ! cargo nextest --version >/dev/null 2>&1; then
   cargo install cargo-nextest --locked
 fi
 
+log "NVRTC 12 from PyPI (the CUDA kernels compile on this CPU-only machine; ~10 s)"
+python3 -m pip install --quiet nvidia-cuda-nvrtc-cu12
+
 log "fetching the real model (cached under \${PLUMBLINE_MODELS:-~/.cache/plumbline/models})"
 cargo xtask fetch-model gemma3-270m
 
 log "tests: cargo nextest run --workspace (profile ci)"
 NEXTEST_PROFILE=ci cargo nextest run --workspace
+
+log "kernels: every CUDA kernel compiled for sm_80 … sm_120, registers/spills/smem (~3 min on 2 cores)"
+cargo xtask kernels
 
 log "verify: the CPU matrix, fixtures and the real model"
 cargo xtask verify

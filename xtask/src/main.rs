@@ -4,6 +4,8 @@
 mod compare;
 mod fetch_model;
 mod golden;
+mod gpu_archive;
+mod kernels;
 mod quant_errors;
 mod verify;
 
@@ -30,6 +32,10 @@ enum Command {
     Verify(verify::Args),
     /// Regenerate the golden snapshots as `.snap.new` files and list the changed ones
     Golden(golden::Args),
+    /// Compile every CUDA kernel for sm_80 … sm_120 through NVRTC; registers, spills, shared memory
+    Kernels(kernels::Args),
+    /// Nextest archive of the GPU tests + nextest binary + prebuilt cubins + run script for a GPU runner
+    GpuArchive(gpu_archive::Args),
     /// Quantize→dequantize error of every weight type against ggml's published thresholds
     QuantErrors {
         /// Print JSON instead of a table
@@ -53,6 +59,8 @@ fn main() -> Result<()> {
         }
         Command::Golden(args) => golden::run(args)?,
         Command::QuantErrors { json } => quant_errors::run(json)?,
+        Command::Kernels(args) => kernels::run(args)?,
+        Command::GpuArchive(args) => gpu_archive::run(args)?,
         Command::Verify(args) => verify::run(args)?,
         Command::Compare(args) => compare::run(args)?,
     }

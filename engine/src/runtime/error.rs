@@ -74,6 +74,10 @@ pub enum RuntimeError {
         #[source]
         source: crate::tp::CommError,
     },
+
+    #[cfg(feature = "cuda")]
+    #[error(transparent)]
+    Cuda(#[from] super::cuda::CudaError),
 }
 
 /// Check that a buffer has the length an operation expects.

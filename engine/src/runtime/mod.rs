@@ -16,6 +16,8 @@
 mod backend;
 mod batch;
 mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 mod engine;
 mod error;
 mod kv_cache;

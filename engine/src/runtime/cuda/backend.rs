@@ -1,0 +1,1580 @@
+//! [`CudaBackend`]: the engine's [`Backend`] on one CUDA device, through cudarc 0.19 (loaded
+//! at run time) and the kernels of `kernels/cuda/`, compiled by NVRTC for the device's exact
+//! architecture (cached on disk).
+//!
+//! Storage: `Buf` is a device `f32` buffer, `Ids` a device `u32` buffer, `Mat` the weight's
+//! bytes uploaded unchanged (the GGML blocks), `Kv` a pair of device buffers (f32 or f16 bits).
+//! Per-token metadata (positions, cells, mask values) is uploaded once per op. Everything runs
+//! on the device's default stream, in order, so the host only waits in `download`.
+//!
+//! Products: decode (and any call with few tokens) runs the per-type matrix-vector kernel on
+//! activations quantized once to q8_1 (`mmv.cu`); prefill with at least [`GEMM_MIN_TOKENS`]
+//! tokens dequantizes the weight to f16 and runs the tiled GEMM (`dequant.cu`).
+//!
+//! Not yet here (see the issue): CUDA graph capture of the decode step, cuBLAS for prefill, NCCL.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
+};
+use cudarc::nvrtc::Ptx;
+use kernels::quant::GgmlType;
+
+use super::cache::KernelCache;
+use super::driver;
+use super::error::CudaError;
+use super::libs::LibrarySearch;
+use super::nvrtc::Nvrtc;
+use super::sources::FILES;
+use crate::model::{Activation, Gating, MoeConfig, RopeConfig, RopeStyle};
+use crate::runtime::backend::{AttnMeta, Backend, KvDtype, KvSource, Strided, WeightData};
+use crate::runtime::error::check_len;
+use crate::runtime::RuntimeError;
+
+/// Every weight type the CUDA kernels multiply (the `FOR_EACH_TYPE` list of `quant.cuh`).
+pub const CUDA_TYPES: [GgmlType; 18] = GgmlType::SUPPORTED;
+
+/// From this many tokens on, a product dequantizes to f16 and runs the GEMM kernel.
+pub const GEMM_MIN_TOKENS: usize = 16;
+
+/// Rows per block of the matrix-vector kernels (`MMV_ROWS` in mmv.cu).
+const MMV_ROWS: u32 = 4;
+
+fn drv(e: cudarc::driver::DriverError) -> RuntimeError {
+    RuntimeError::Cuda(CudaError::Driver(e.to_string()))
+}
+
+fn shape(op: &'static str, expected: usize, found: usize) -> RuntimeError {
+    RuntimeError::Shape {
+        op,
+        expected,
+        found,
+    }
+}
+
+/// One kernel argument, passed by value (cuLaunchKernel reads each parameter's size from the
+/// kernel, so every value is stored in eight little-endian bytes).
+#[derive(Clone, Copy)]
+enum Arg {
+    Ptr(u64),
+    U32(u32),
+    U64(u64),
+    F32(f32),
+    F64(f64),
+}
+
+impl Arg {
+    fn bits(self) -> u64 {
+        match self {
+            Arg::Ptr(p) | Arg::U64(p) => p,
+            Arg::U32(v) => u64::from(v),
+            Arg::F32(f) => u64::from(f.to_bits()),
+            Arg::F64(d) => d.to_bits(),
+        }
+    }
+}
+
+/// A device buffer of `len` values. The allocation has at least one element (the driver
+/// rejects empty allocations), so the logical length is kept here; it derefs to the slice for
+/// pointer arithmetic.
+pub struct Dev<T> {
+    mem: CudaSlice<T>,
+    len: usize,
+}
+
+impl<T> Dev<T> {
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl<T> std::ops::Deref for Dev<T> {
+    type Target = CudaSlice<T>;
+    fn deref(&self) -> &CudaSlice<T> {
+        &self.mem
+    }
+}
+
+impl<T> std::ops::DerefMut for Dev<T> {
+    fn deref_mut(&mut self) -> &mut CudaSlice<T> {
+        &mut self.mem
+    }
+}
+
+/// A weight on the device: the file's GGML blocks, unchanged.
+pub struct CudaMat {
+    name: String,
+    ty: GgmlType,
+    k_dim: usize,
+    n_rows: usize,
+    n_mats: usize,
+    row_bytes: usize,
+    data: Dev<u8>,
+}
+
+/// One side of a cache layer.
+pub enum KvStore {
+    F32(CudaSlice<f32>),
+    /// f16 bit patterns.
+    F16(CudaSlice<u16>),
+}
+
+/// One layer of the KV cache on the device.
+pub struct CudaKv {
+    k: KvStore,
+    v: KvStore,
+    k_width: usize,
+    v_width: usize,
+    n_cells: usize,
+    dtype: KvDtype,
+}
+
+/// The CUDA backend of one device.
+pub struct CudaBackend {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    funcs: HashMap<String, CudaFunction>,
+    ordinal: usize,
+    arch: u32,
+}
+
+impl CudaBackend {
+    /// The backend on device `ordinal`: finds the driver and NVRTC with `search`, checks the
+    /// driver version and the architecture, compiles (or takes from `cache`) every kernel file
+    /// for the device's architecture and loads it.
+    pub fn new(
+        ordinal: usize,
+        search: &LibrarySearch,
+        cache: &KernelCache,
+    ) -> Result<CudaBackend, CudaError> {
+        let info = driver::probe(search)?;
+        let devices = info.devices.clone().map_err(CudaError::Driver)?;
+        let dev = devices
+            .get(ordinal)
+            .ok_or(CudaError::NoDevice(devices.len()))?
+            .clone();
+        // NVRTC compiles the kernels (or finds them in the cache under its version); without
+        // it, prebuilt cubins in the cache are used as they are, if every file has one.
+        let nvrtc = Nvrtc::load(search);
+        let mut cubins = Vec::with_capacity(FILES.len());
+        let (ma, mi) = match nvrtc {
+            Ok(n) => {
+                n.check_arch(dev.arch)?;
+                for file in &FILES {
+                    cubins.push(cache.get(&n, file, dev.arch)?.0);
+                }
+                n.version()
+            }
+            Err(e) => {
+                let mut version = (0, 0);
+                for file in &FILES {
+                    match cache.find_any(file, dev.arch) {
+                        Some((c, v)) => {
+                            cubins.push(c);
+                            version = version.max(v);
+                        }
+                        None => return Err(e),
+                    }
+                }
+                version
+            }
+        };
+        if info.version / 1000 < ma {
+            return Err(CudaError::DriverTooOld {
+                driver_major: info.version / 1000,
+                driver_minor: info.version % 1000 / 10,
+                cubin_major: ma,
+                cubin_minor: mi,
+            });
+        }
+        // The driver library is loaded (by its full path, in `driver::probe`), so cudarc's
+        // by-name load finds it. cudarc panics on a symbol the driver lacks; that becomes an
+        // error naming the driver.
+        let ctx = std::panic::catch_unwind(|| CudaContext::new(ordinal))
+            .map_err(|_| {
+                CudaError::Driver(format!(
+                    "{} lacks a driver API entry point cudarc needs: update the NVIDIA driver",
+                    info.path.display()
+                ))
+            })?
+            .map_err(|e| CudaError::Driver(e.to_string()))?;
+        // One stream, in order: cudarc's cross-stream event tracking is not needed.
+        // SAFETY: every buffer of this backend is used on `stream` only.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.default_stream();
+        let mut funcs = HashMap::new();
+        for (file, cubin) in FILES.iter().zip(cubins) {
+            let entries: Vec<String> = entry_points(&file.program());
+            let module = ctx.load_module(Ptx::from_binary(cubin)).map_err(|e| {
+                CudaError::Driver(format!("loading {} (sm_{}): {e}", file.name, dev.arch))
+            })?;
+            for name in entries {
+                let f = module
+                    .load_function(&name)
+                    .map_err(|e| CudaError::Driver(format!("{} in {}: {e}", name, file.name)))?;
+                funcs.insert(name, f);
+            }
+        }
+        Ok(CudaBackend {
+            ctx,
+            stream,
+            funcs,
+            ordinal,
+            arch: dev.arch,
+        })
+    }
+
+    /// The backend on device `ordinal` with the default library search and kernel cache.
+    pub fn open(ordinal: usize) -> Result<CudaBackend, CudaError> {
+        Self::new(
+            ordinal,
+            &LibrarySearch::from_env(),
+            &KernelCache::new(KernelCache::default_dir()),
+        )
+    }
+
+    pub fn arch(&self) -> u32 {
+        self.arch
+    }
+
+    /// Number of loaded entry points.
+    pub fn n_kernels(&self) -> usize {
+        self.funcs.len()
+    }
+
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    fn ptr<T>(&self, s: &CudaSlice<T>) -> u64 {
+        let (p, _sync) = s.device_ptr(&self.stream);
+        p
+    }
+
+    /// Launch `name` with `args` in the kernel's parameter order.
+    fn launch(&self, name: &str, cfg: LaunchConfig, args: &[Arg]) -> Result<(), RuntimeError> {
+        let f = self.funcs.get(name).ok_or_else(|| {
+            RuntimeError::Cuda(CudaError::Unsupported(format!("no kernel {name} loaded")))
+        })?;
+        let vals: Vec<u64> = args.iter().map(|a| a.bits()).collect();
+        let mut b = self.stream.launch_builder(f);
+        for v in &vals {
+            b.arg(v);
+        }
+        // SAFETY: every call site passes the arguments in the order and of the types of the
+        // kernel's C signature (named there), device pointers of buffers whose lengths it has
+        // checked against the kernel's indexing (the contract in the kernel's comment), and a
+        // grid no larger than that contract covers.
+        unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv)
+    }
+
+    fn upload_u32(&self, v: &[u32]) -> Result<Dev<u32>, RuntimeError> {
+        self.upload_any(v)
+    }
+
+    fn zeros_f32(&self, n: usize) -> Result<Dev<f32>, RuntimeError> {
+        self.zeros(n)
+    }
+
+    fn zeros<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+        &self,
+        n: usize,
+    ) -> Result<Dev<T>, RuntimeError> {
+        let mem = self.stream.alloc_zeros::<T>(n.max(1)).map_err(drv)?;
+        Ok(Dev { mem, len: n })
+    }
+
+    fn upload_any<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+        &self,
+        v: &[T],
+    ) -> Result<Dev<T>, RuntimeError> {
+        if v.is_empty() {
+            return self.zeros(0);
+        }
+        let mem = self.stream.clone_htod(v).map_err(drv)?;
+        Ok(Dev { mem, len: v.len() })
+    }
+
+    /// Quantize `n_tok × k` activations to q8_1 blocks (36 bytes per 32 values).
+    fn quantize_q8_1(&self, x: &Dev<f32>, n_tok: usize, k: usize) -> Result<Dev<u8>, RuntimeError> {
+        let n_blocks = n_tok * k / 32;
+        let y = self.zeros::<u8>(n_blocks * 36)?;
+        let cfg = LaunchConfig {
+            grid_dim: ((n_blocks as u32).div_ceil(8), 1, 1),
+            block_dim: (32, 8, 1),
+            shared_mem_bytes: 0,
+        };
+        // Kernel quantize_q8_1(const float* x, block_q8_1* y, u32 n_blocks).
+        self.launch(
+            "quantize_q8_1",
+            cfg,
+            &[
+                Arg::Ptr(self.ptr(x)),
+                Arg::Ptr(self.ptr(&y)),
+                Arg::U32(n_blocks as u32),
+            ],
+        )?;
+        Ok(y)
+    }
+
+    /// The matrix-vector kernel for `w` over `n_out` output rows.
+    fn mmv(
+        &self,
+        w: &CudaMat,
+        x: &Dev<f32>,
+        ids: Option<(&Dev<u32>, usize, bool)>,
+        n_x_rows: usize,
+        n_out: usize,
+        out: &mut Dev<f32>,
+    ) -> Result<(), RuntimeError> {
+        let float = matches!(w.ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16);
+        let q;
+        let xp = if float {
+            self.ptr(x)
+        } else {
+            q = self.quantize_q8_1(x, n_x_rows, w.k_dim)?;
+            self.ptr(&q)
+        };
+        let (ids_p, k_slots, per_slot) = match ids {
+            Some((i, k, p)) => (self.ptr(i), k, p),
+            None => (0, 1, false),
+        };
+        let cfg = LaunchConfig {
+            grid_dim: (
+                (w.n_rows as u32).div_ceil(MMV_ROWS),
+                (n_out as u32).min(65_535),
+                1,
+            ),
+            block_dim: (32, MMV_ROWS, 1),
+            shared_mem_bytes: 0,
+        };
+        let name = format!("mmv_{}", w.ty.name().to_ascii_lowercase());
+        // Kernel mmv_<type>(w, u64 row_bytes, u64 mat_bytes, u32 n_mats, x, u32 k_dim,
+        // u32 n_rows, u32 n_out, const u32* ids, u32 k_slots, u32 x_per_slot, float* out).
+        self.launch(
+            &name,
+            cfg,
+            &[
+                Arg::Ptr(self.ptr(&w.data)),
+                Arg::U64(w.row_bytes as u64),
+                Arg::U64((w.row_bytes * w.n_rows) as u64),
+                Arg::U32(w.n_mats as u32),
+                Arg::Ptr(xp),
+                Arg::U32(w.k_dim as u32),
+                Arg::U32(w.n_rows as u32),
+                Arg::U32(n_out as u32),
+                Arg::Ptr(ids_p),
+                Arg::U32(k_slots as u32),
+                Arg::U32(u32::from(per_slot)),
+                Arg::Ptr(self.ptr(out)),
+            ],
+        )
+    }
+
+    /// Prefill product: dequantize `w` (one matrix) to f16, then the tiled GEMM.
+    fn gemm(
+        &self,
+        w: &CudaMat,
+        x: &Dev<f32>,
+        n_tok: usize,
+        out: &mut Dev<f32>,
+    ) -> Result<(), RuntimeError> {
+        let n = w.n_rows * w.k_dim;
+        let wf = self.zeros::<u16>(n)?;
+        let chunks = (n / 32) as u32;
+        let name = format!("dequant_{}_f16", w.ty.name().to_ascii_lowercase());
+        // Kernel dequant_<type>_f16(w, u64 row_bytes, u32 k_dim, u32 n_rows, u16* out).
+        self.launch(
+            &name,
+            LaunchConfig {
+                grid_dim: (chunks.div_ceil(256), 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            },
+            &[
+                Arg::Ptr(self.ptr(&w.data)),
+                Arg::U64(w.row_bytes as u64),
+                Arg::U32(w.k_dim as u32),
+                Arg::U32(w.n_rows as u32),
+                Arg::Ptr(self.ptr(&wf)),
+            ],
+        )?;
+        // Kernel gemm_f16_f32(const u16* w, const float* x, float* out, u32 n_rows, u32 k_dim,
+        // u32 n_tok): 32×32 tiles, blockDim (32, 8).
+        self.launch(
+            "gemm_f16_f32",
+            LaunchConfig {
+                grid_dim: (
+                    (w.n_rows as u32).div_ceil(32),
+                    (n_tok as u32).div_ceil(32),
+                    1,
+                ),
+                block_dim: (32, 8, 1),
+                shared_mem_bytes: 0,
+            },
+            &[
+                Arg::Ptr(self.ptr(&wf)),
+                Arg::Ptr(self.ptr(x)),
+                Arg::Ptr(self.ptr(out)),
+                Arg::U32(w.n_rows as u32),
+                Arg::U32(w.k_dim as u32),
+                Arg::U32(n_tok as u32),
+            ],
+        )
+    }
+
+    /// A one-dimensional grid-stride launch over `n` elements.
+    fn grid(n: usize) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: ((n as u32).div_ceil(256).clamp(1, 65_535), 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
+    /// Indices back on the host (routing results, sampled ids).
+    pub fn download_ids(&self, ids: &Dev<u32>) -> Result<Vec<u32>, RuntimeError> {
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut v = self
+            .stream
+            .clone_dtoh(&ids.mem.slice(..ids.len))
+            .map_err(drv)?;
+        v.truncate(ids.len);
+        Ok(v)
+    }
+
+    /// Token ids of the most likely next token for each of `n_rows` rows of `width` logits,
+    /// on the device. Twin: [`crate::sampling::argmax`].
+    pub fn argmax_rows(
+        &self,
+        logits: &Dev<f32>,
+        n_rows: usize,
+        width: usize,
+    ) -> Result<Vec<u32>, RuntimeError> {
+        check_len("argmax logits", n_rows * width, logits.len())?;
+        let out = self.zeros::<u32>(n_rows)?;
+        // Kernel argmax_rows(const float* x, u32 width, u32* out): one block of 256 per row.
+        self.launch(
+            "argmax_rows",
+            LaunchConfig {
+                grid_dim: (n_rows as u32, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            },
+            &[
+                Arg::Ptr(self.ptr(logits)),
+                Arg::U32(width as u32),
+                Arg::Ptr(self.ptr(&out)),
+            ],
+        )?;
+        let mut v = self.stream.clone_dtoh(&out.mem).map_err(drv)?;
+        v.truncate(n_rows);
+        Ok(v)
+    }
+
+    /// Sample one token from `logits` (top-k ≤ 64 at `temperature`) with the uniform draw `u`
+    /// in [0, 1). Twin: [`crate::sampling::Sampler::sample`] with top_p 1, min_p 0, no penalty.
+    pub fn sample_top_k(
+        &self,
+        logits: &Dev<f32>,
+        top_k: usize,
+        temperature: f32,
+        u: f64,
+    ) -> Result<u32, RuntimeError> {
+        if top_k == 0 || top_k > 64 {
+            return Err(shape("device sampling top_k (1..=64)", 64, top_k));
+        }
+        let out = self.zeros::<u32>(1)?;
+        // Kernel sample_top_k(const float* logits, u32 n, u32 top_k, float temperature,
+        // double u, u32* out): one block of 256.
+        self.launch(
+            "sample_top_k",
+            LaunchConfig {
+                grid_dim: (1, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            },
+            &[
+                Arg::Ptr(self.ptr(logits)),
+                Arg::U32(logits.len() as u32),
+                Arg::U32(top_k as u32),
+                Arg::F32(temperature),
+                Arg::F64(u),
+                Arg::Ptr(self.ptr(&out)),
+            ],
+        )?;
+        let v = self.stream.clone_dtoh(&out.mem).map_err(drv)?;
+        Ok(v.first().copied().unwrap_or(0))
+    }
+}
+
+/// The `extern "C" __global__` entry points of a program, macro-generated ones expanded for
+/// every type of `FOR_EACH_TYPE`.
+fn entry_points(program: &str) -> Vec<String> {
+    let types: Vec<&str> = CUDA_TYPES.iter().map(|t| t.name()).collect();
+    let mut out = Vec::new();
+    for line in program.lines() {
+        let Some(rest) = line
+            .trim_start()
+            .strip_prefix("extern \"C\" __global__ void ")
+        else {
+            continue;
+        };
+        let name = rest.split('(').next().unwrap_or("").trim();
+        if let Some(stem) = name.strip_suffix("##T##_f16") {
+            out.extend(
+                types
+                    .iter()
+                    .map(|t| format!("{stem}{}_f16", t.to_ascii_lowercase())),
+            );
+        } else if let Some(stem) = name.strip_suffix("##T") {
+            out.extend(
+                types
+                    .iter()
+                    .map(|t| format!("{stem}{}", t.to_ascii_lowercase())),
+            );
+        } else if !name.is_empty() {
+            out.push(name.to_string());
+        }
+    }
+    out.sort();
+    out.dedup();
+    out
+}
+
+/// `plumbline doctor`'s device check: open the backend on `ordinal` (which compiles and loads
+/// every kernel) and run known-answer products and ops; a one-line summary or the root cause.
+pub fn self_test(ordinal: usize) -> Result<String, CudaError> {
+    let b = CudaBackend::open(ordinal)?;
+    let fail = |what: &str, e: RuntimeError| CudaError::Driver(format!("known-answer {what}: {e}"));
+    // Q8_0 row of 32 values 1..=32 with d = 1 (exact), times x = 1: Σ = 528, exactly
+    // representable; the q8_1 activation of all-ones is exact too.
+    let mut block = vec![0u8; 34];
+    block[..2].copy_from_slice(&half::f16::ONE.to_bits().to_le_bytes());
+    for i in 0..32 {
+        block[2 + i] = (i as u8) + 1;
+    }
+    let w = b
+        .prepare(WeightData {
+            name: "self-test",
+            ty: GgmlType::Q8_0,
+            k_dim: 32,
+            n_rows: 1,
+            n_mats: 1,
+            data: std::borrow::Cow::Owned(block),
+        })
+        .map_err(|e| fail("prepare", e))?;
+    let x = b.upload(&[1.0; 32]).map_err(|e| fail("upload", e))?;
+    let mut out = b.alloc(1).map_err(|e| fail("alloc", e))?;
+    b.matmul(&w, &x, 1, &mut out)
+        .map_err(|e| fail("q8_0 matmul", e))?;
+    let mut host = Vec::new();
+    b.download(&out, &mut host)
+        .map_err(|e| fail("download", e))?;
+    if host.first() != Some(&528.0) {
+        return Err(CudaError::Driver(format!(
+            "known-answer q8_0 product: expected 528, found {host:?}"
+        )));
+    }
+    let mut y = b.upload(&[1.0, 2.0, 3.0]).map_err(|e| fail("upload", e))?;
+    let z = b
+        .upload(&[10.0, 20.0, 30.0])
+        .map_err(|e| fail("upload", e))?;
+    b.add(&mut y, &z).map_err(|e| fail("add", e))?;
+    b.download(&y, &mut host).map_err(|e| fail("download", e))?;
+    if host != [11.0, 22.0, 33.0] {
+        return Err(CudaError::Driver(format!(
+            "known-answer add: expected [11, 22, 33], found {host:?}"
+        )));
+    }
+    Ok(format!(
+        "{} entry points loaded for sm_{}; known answers: q8_0 product, add",
+        b.n_kernels(),
+        b.arch()
+    ))
+}
+
+impl Backend for CudaBackend {
+    type Buf = Dev<f32>;
+    type Ids = Dev<u32>;
+    type Mat<'w> = CudaMat;
+    type Kv = CudaKv;
+
+    fn name(&self) -> String {
+        format!("cuda:{} (sm_{})", self.ordinal, self.arch)
+    }
+
+    fn threads(&self) -> usize {
+        1
+    }
+
+    fn alloc(&self, n: usize) -> Result<Dev<f32>, RuntimeError> {
+        self.zeros(n)
+    }
+
+    fn upload(&self, data: &[f32]) -> Result<Dev<f32>, RuntimeError> {
+        self.upload_any(data)
+    }
+
+    fn upload_ids(&self, ids: &[u32]) -> Result<Dev<u32>, RuntimeError> {
+        self.upload_any(ids)
+    }
+
+    fn download(&self, buf: &Dev<f32>, out: &mut Vec<f32>) -> Result<(), RuntimeError> {
+        out.resize(buf.len(), 0.0);
+        if buf.is_empty() {
+            return Ok(());
+        }
+        self.stream
+            .memcpy_dtoh(&buf.mem.slice(..buf.len), out.as_mut_slice())
+            .map_err(drv)?;
+        self.stream.synchronize().map_err(drv)
+    }
+
+    fn buf_len(&self, buf: &Dev<f32>) -> usize {
+        buf.len()
+    }
+
+    fn prepare<'w>(&self, w: WeightData<'w>) -> Result<CudaMat, RuntimeError>
+    where
+        Self: 'w,
+    {
+        if !CUDA_TYPES.contains(&w.ty) {
+            return Err(RuntimeError::Cuda(CudaError::Unsupported(format!(
+                "{}: no CUDA kernel for type {}",
+                w.name,
+                w.ty.name()
+            ))));
+        }
+        if !w.k_dim.is_multiple_of(32) || !w.k_dim.is_multiple_of(w.ty.block_size()) {
+            return Err(shape(
+                "CUDA weight row length (a multiple of 32 and of the block size)",
+                w.ty.block_size().max(32),
+                w.k_dim,
+            ));
+        }
+        let row_bytes = w.k_dim / w.ty.block_size() * w.ty.type_size();
+        check_len(
+            "weight bytes",
+            row_bytes * w.n_rows * w.n_mats,
+            w.data.len(),
+        )?;
+        let data = self.upload_any(w.data.as_ref())?;
+        Ok(CudaMat {
+            name: w.name.to_string(),
+            ty: w.ty,
+            k_dim: w.k_dim,
+            n_rows: w.n_rows,
+            n_mats: w.n_mats,
+            row_bytes,
+            data,
+        })
+    }
+
+    fn matmul(
+        &self,
+        w: &CudaMat,
+        x: &Dev<f32>,
+        n_tokens: usize,
+        out: &mut Dev<f32>,
+    ) -> Result<(), RuntimeError> {
+        check_len("matmul input", n_tokens * w.k_dim, x.len())?;
+        check_len("matmul output", n_tokens * w.n_rows, out.len())?;
+        if w.n_mats != 1 {
+            return Err(shape("matmul weight (one matrix)", 1, w.n_mats));
+        }
+        if n_tokens == 0 {
+            return Ok(());
+        }
+        if n_tokens >= GEMM_MIN_TOKENS {
+            return self.gemm(w, x, n_tokens, out);
+        }
+        self.mmv(w, x, None, n_tokens, n_tokens, out)
+            .map_err(|e| match e {
+                RuntimeError::Cuda(c) => {
+                    RuntimeError::Cuda(CudaError::Driver(format!("matmul {}: {c}", w.name)))
+                }
+                e => e,
+            })
+    }
+
+    fn matmul_experts(
+        &self,
+        w: &CudaMat,
+        x: &Dev<f32>,
+        x_per_slot: bool,
+        ids: &Dev<u32>,
+        n_tokens: usize,
+        k: usize,
+        out: &mut Dev<f32>,
+    ) -> Result<(), RuntimeError> {
+        let n_x = if x_per_slot { n_tokens * k } else { n_tokens };
+        check_len("expert matmul input", n_x * w.k_dim, x.len())?;
+        check_len("expert ids", n_tokens * k, ids.len())?;
+        check_len("expert matmul output", n_tokens * k * w.n_rows, out.len())?;
+        if n_tokens * k == 0 {
+            return Ok(());
+        }
+        self.mmv(w, x, Some((ids, k, x_per_slot)), n_x, n_tokens * k, out)
+    }
+
+    fn embed(
+        &self,
+        w: &CudaMat,
+        tokens: &Dev<u32>,
+        n_tokens: usize,
+        out: &mut Dev<f32>,
+    ) -> Result<(), RuntimeError> {
+        check_len("embed tokens", n_tokens, tokens.len())?;
+        check_len("embed output", n_tokens * w.k_dim, out.len())?;
+        if n_tokens == 0 {
+            return Ok(());
+        }
+        let chunks = n_tokens * w.k_dim / 32;
+        let name = format!("embed_{}", w.ty.name().to_ascii_lowercase());
+        // Kernel embed_<type>(w, u64 row_bytes, u32 k_dim, u32 n_vocab, const u32* tokens,
+        // u32 n_tokens, float* out); a token ≥ n_vocab gives a NaN row (the forward pass
+        // checks ids on the host before they get here).
+        self.launch(
+            &name,
+            LaunchConfig {
+                grid_dim: ((chunks as u32).div_ceil(256), 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            },
+            &[
+                Arg::Ptr(self.ptr(&w.data)),
+                Arg::U64(w.row_bytes as u64),
+                Arg::U32(w.k_dim as u32),
+                Arg::U32(w.n_rows as u32),
+                Arg::Ptr(self.ptr(tokens)),
+                Arg::U32(n_tokens as u32),
+                Arg::Ptr(self.ptr(out)),
+            ],
+        )
+    }
+
+    fn rms_norm(
+        &self,
+        x: &Dev<f32>,
+        weight: &Dev<f32>,
+        eps: f32,
+        out: &mut Dev<f32>,
+    ) -> Result<(), RuntimeError> {
+        let width = weight.len();
+        check_len("rms_norm output", x.len(), out.len())?;
+        if width == 0 || !x.len().is_multiple_of(width) {
+            return Err(shape(
+                "rms_norm rows (a multiple of the weight length)",
+                width,
+                x.len(),
+            ));
+        }
+        let rows = x.len() / width;
+        if rows == 0 {
+            return Ok(());
+        }
+        // Kernel rms_norm(const float* x, const float* weight, float* out, u32 width, float eps).
+        self.launch(
+            "rms_norm",
+            LaunchConfig {
+                grid_dim: (rows as u32, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            },
+            &[
+                Arg::Ptr(self.ptr(x)),
+                Arg::Ptr(self.ptr(weight)),
+                Arg::Ptr(self.ptr(out)),
+                Arg::U32(width as u32),
+                Arg::F32(eps),
+            ],
+        )
+    }
+
+    fn rms_norm_inplace(
+        &self,
+        x: &mut Dev<f32>,
+        weight: &Dev<f32>,
+        eps: f32,
+    ) -> Result<(), RuntimeError> {
+        let width = weight.len();
+        if width == 0 || !x.len().is_multiple_of(width) {
+            return Err(shape(
+                "rms_norm rows (a multiple of the weight length)",
+                width,
+                x.len(),
+            ));
+        }
+        let rows = x.len() / width;
+        if rows == 0 {
+            return Ok(());
+        }
+        let p = self.ptr(x);
+        // rms_norm in place (out == x): each block reads its row fully before writing.
+        self.launch(
+            "rms_norm",
+            LaunchConfig {
+                grid_dim: (rows as u32, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            },
+            &[
+                Arg::Ptr(p),
+                Arg::Ptr(self.ptr(weight)),
+                Arg::Ptr(p),
+                Arg::U32(width as u32),
+                Arg::F32(eps),
+            ],
+        )
+    }
+
+    fn rope(
+        &self,
+        x: &mut Dev<f32>,
+        n_heads: usize,
+        head_dim: usize,
+        positions: &[u32],
+        rope: &RopeConfig,
+    ) -> Result<(), RuntimeError> {
+        check_len("rope input", positions.len() * n_heads * head_dim, x.len())?;
+        if rope.n_rot > head_dim || !rope.n_rot.is_multiple_of(2) {
+            return Err(shape(
+                "rope dimensions (even, at most the head width)",
+                head_dim,
+                rope.n_rot,
+            ));
+        }
+        if x.is_empty() || rope.n_rot == 0 {
+            return Ok(());
+        }
+        // The host part of ggml's rope_yarn: correction dims and magnitude scale, once per call
+        // (the CPU twin computes them in rope_cache).
+        let (corr, ext, mut mscale) = match rope.yarn {
+            Some(y) => (
+                yarn_corr_dims(
+                    rope.n_rot,
+                    y.n_ctx_orig,
+                    rope.freq_base,
+                    y.beta_fast,
+                    y.beta_slow,
+                ),
+                y.ext_factor,
+                y.attn_factor,
+            ),
+            None => ([0.0, 0.0], 0.0, 1.0),
+        };
+        if ext != 0.0 {
+            mscale *= 1.0 + 0.1 * (1.0 / rope.freq_scale).ln();
+        }
+        let pos = self.upload_u32(positions)?;
+        let style = match rope.style {
+            RopeStyle::Normal => 0,
+            RopeStyle::Neox => 1,
+        };
+        // Kernel rope(float* x, const u32* positions, u32 n_heads, u32 head_dim, u32 n_rot,
+        // u32 style, float freq_base, float freq_scale, float ext_factor, float mscale,
+        // float corr0, float corr1): grid (n_heads, n_tok).
+        self.launch(
+            "rope",
+            LaunchConfig {
+                grid_dim: (n_heads as u32, positions.len() as u32, 1),
+                block_dim: (((rope.n_rot / 2) as u32).clamp(1, 256), 1, 1),
+                shared_mem_bytes: 0,
+            },
+            &[
+                Arg::Ptr(self.ptr(x)),
+                Arg::Ptr(self.ptr(&pos)),
+                Arg::U32(n_heads as u32),
+                Arg::U32(head_dim as u32),
+                Arg::U32(rope.n_rot as u32),
+                Arg::U32(style),
+                Arg::F32(rope.freq_base),
+                Arg::F32(rope.freq_scale),
+                Arg::F32(ext),
+                Arg::F32(mscale),
+                Arg::F32(corr[0]),
+                Arg::F32(corr[1]),
+            ],
+        )
+    }
+
+    fn gated_act(
+        &self,
+        act: Activation,
+        gate: &mut Dev<f32>,
+        up: &Dev<f32>,
+    ) -> Result<(), RuntimeError> {
+        check_len("gated activation", gate.len(), up.len())?;
+        let name = match act {
+            Activation::Silu => "gated_silu",
+            Activation::GeluTanh => "gated_gelu_tanh",
+        };
+        let n = gate.len();
+        if n == 0 {
+            return Ok(());
+        }
+        // Kernel gated_*(float* gate, const float* up, u64 n).
+        self.launch(
+            name,
+            Self::grid(n),
+            &[
+                Arg::Ptr(self.ptr(gate)),
+                Arg::Ptr(self.ptr(up)),
+                Arg::U64(n as u64),
+            ],
+        )
+    }
+
+    fn softcap(&self, x: &mut Dev<f32>, cap: f32) -> Result<(), RuntimeError> {
+        let n = x.len();
+        if n == 0 {
+            return Ok(());
+        }
+        // Kernel softcap(float* x, u64 n, float cap).
+        self.launch(
+            "softcap",
+            Self::grid(n),
+            &[Arg::Ptr(self.ptr(x)), Arg::U64(n as u64), Arg::F32(cap)],
+        )
+    }
+
+    fn add(&self, x: &mut Dev<f32>, y: &Dev<f32>) -> Result<(), RuntimeError> {
+        check_len("add", x.len(), y.len())?;
+        let n = x.len();
+        if n == 0 {
+            return Ok(());
+        }
+        // Kernel add(float* x, const float* y, u64 n).
+        self.launch(
+            "add",
+            Self::grid(n),
+            &[
+                Arg::Ptr(self.ptr(x)),
+                Arg::Ptr(self.ptr(y)),
+                Arg::U64(n as u64),
+            ],
+        )
+    }
+
+    fn add_row(&self, x: &mut Dev<f32>, row: &Dev<f32>) -> Result<(), RuntimeError> {
+        let w = row.len();
+        if w == 0 || !x.len().is_multiple_of(w) {
+            return Err(shape(
+                "add_row rows (a multiple of the row length)",
+                w,
+                x.len(),
+            ));
+        }
+        let n = x.len();
+        if n == 0 {
+            return Ok(());
+        }
+        // Kernel add_row(float* x, const float* row, u64 n, u32 width).
+        self.launch(
+            "add_row",
+            Self::grid(n),
+            &[
+                Arg::Ptr(self.ptr(x)),
+                Arg::Ptr(self.ptr(row)),
+                Arg::U64(n as u64),
+                Arg::U32(w as u32),
+            ],
+        )
+    }
+
+    fn scale(&self, x: &mut Dev<f32>, s: f32) -> Result<(), RuntimeError> {
+        let n = x.len();
+        if n == 0 {
+            return Ok(());
+        }
+        // Kernel scale(float* x, u64 n, float s).
+        self.launch(
+            "scale",
+            Self::grid(n),
+            &[Arg::Ptr(self.ptr(x)), Arg::U64(n as u64), Arg::F32(s)],
+        )
+    }
+
+    fn copy(&self, src: &Dev<f32>, dst: &mut Dev<f32>) -> Result<(), RuntimeError> {
+        check_len("copy", dst.len(), src.len())?;
+        if src.is_empty() {
+            return Ok(());
+        }
+        let n = src.len;
+        self.stream
+            .memcpy_dtod(&src.mem.slice(..n), &mut dst.mem.slice_mut(..n))
+            .map_err(drv)
+    }
+
+    fn fill(
+        &self,
+        x: &mut Dev<f32>,
+        start: usize,
+        len: usize,
+        value: f32,
+    ) -> Result<(), RuntimeError> {
+        if start + len > x.len() {
+            return Err(shape(
+                "fill range (within the buffer)",
+                x.len(),
+                start + len,
+            ));
+        }
+        if len == 0 {
+            return Ok(());
+        }
+        let p = self.ptr(x) + (start * 4) as u64;
+        // Kernel fill(float* x, u64 n, float value) on the sub-range.
+        self.launch(
+            "fill",
+            Self::grid(len),
+            &[Arg::Ptr(p), Arg::U64(len as u64), Arg::F32(value)],
+        )
+    }
+
+    fn copy_strided(
+        &self,
+        src: &Dev<f32>,
+        s: Strided,
+        dst: &mut Dev<f32>,
+        d: Strided,
+        n_rows: usize,
+        n_groups: usize,
+        len: usize,
+    ) -> Result<(), RuntimeError> {
+        if n_rows == 0 || n_groups == 0 || len == 0 {
+            return Ok(());
+        }
+        let last = |t: Strided| {
+            (n_rows - 1) * t.row_stride + (n_groups - 1) * t.group_stride + t.offset + len
+        };
+        if last(s) > src.len() {
+            return Err(shape(
+                "copy_strided source (within the buffer)",
+                src.len(),
+                last(s),
+            ));
+        }
+        if last(d) > dst.len() {
+            return Err(shape(
+                "copy_strided destination (within the buffer)",
+                dst.len(),
+                last(d),
+            ));
+        }
+        // Kernel copy_strided(src, u64 srs, u64 sgs, u64 soff, dst, u64 drs, u64 dgs, u64 doff,
+        // u32 n_rows, u32 n_groups, u32 len).
+        self.launch(
+            "copy_strided",
+            Self::grid(n_rows * n_groups * len),
+            &[
+                Arg::Ptr(self.ptr(src)),
+                Arg::U64(s.row_stride as u64),
+                Arg::U64(s.group_stride as u64),
+                Arg::U64(s.offset as u64),
+                Arg::Ptr(self.ptr(dst)),
+                Arg::U64(d.row_stride as u64),
+                Arg::U64(d.group_stride as u64),
+                Arg::U64(d.offset as u64),
+                Arg::U32(n_rows as u32),
+                Arg::U32(n_groups as u32),
+                Arg::U32(len as u32),
+            ],
+        )
+    }
+
+    fn gather_rows(
+        &self,
+        x: &Dev<f32>,
+        width: usize,
+        rows: &[u32],
+        out: &mut Dev<f32>,
+    ) -> Result<(), RuntimeError> {
+        check_len("gather_rows output", rows.len() * width, out.len())?;
+        if width == 0 || rows.is_empty() {
+            return Ok(());
+        }
+        let n_in = x.len() / width;
+        if let Some(&r) = rows.iter().find(|&&r| r as usize >= n_in) {
+            return Err(shape(
+                "gather_rows row (< rows of the input)",
+                n_in,
+                r as usize,
+            ));
+        }
+        let r = self.upload_u32(rows)?;
+        // Kernel gather_rows(const float* x, const u32* rows, float* out, u32 n_out, u32 width).
+        self.launch(
+            "gather_rows",
+            Self::grid(rows.len() * width),
+            &[
+                Arg::Ptr(self.ptr(x)),
+                Arg::Ptr(self.ptr(&r)),
+                Arg::Ptr(self.ptr(out)),
+                Arg::U32(rows.len() as u32),
+                Arg::U32(width as u32),
+            ],
+        )
+    }
+
+    fn route(
+        &self,
+        logits: &Dev<f32>,
+        bias: Option<&Dev<f32>>,
+        moe: &MoeConfig,
+        n_tokens: usize,
+        ids: &mut Dev<u32>,
+        weights: &mut Dev<f32>,
+    ) -> Result<(), RuntimeError> {
+        let (ne, k) = (moe.n_expert, moe.n_expert_used);
+        check_len("route logits", n_tokens * ne, logits.len())?;
+        check_len("route ids", n_tokens * k, ids.len())?;
+        check_len("route weights", n_tokens * k, weights.len())?;
+        if let Some(b) = bias {
+            check_len("route bias", ne, b.len())?;
+        }
+        if ne > 256 || k > ne || k > 64 {
+            return Err(shape(
+                "CUDA routing (at most 256 experts, k ≤ min(64, experts))",
+                256,
+                ne,
+            ));
+        }
+        if n_tokens == 0 || k == 0 {
+            return Ok(());
+        }
+        let probs = self.zeros_f32(n_tokens * ne)?;
+        let gating = match moe.gating {
+            Gating::Softmax => 0,
+            Gating::Sigmoid => 1,
+        };
+        // Kernel route(logits, bias, u32 n_tok, u32 n_expert, u32 k, u32 gating, u32 norm,
+        // float weights_scale, float* probs, u32* ids, float* weights): a thread per token.
+        self.launch(
+            "route",
+            LaunchConfig {
+                grid_dim: ((n_tokens as u32).div_ceil(64), 1, 1),
+                block_dim: (64, 1, 1),
+                shared_mem_bytes: 0,
+            },
+            &[
+                Arg::Ptr(self.ptr(logits)),
+                Arg::Ptr(bias.map_or(0, |b| self.ptr(b))),
+                Arg::U32(n_tokens as u32),
+                Arg::U32(ne as u32),
+                Arg::U32(k as u32),
+                Arg::U32(gating),
+                Arg::U32(u32::from(moe.weights_norm)),
+                Arg::F32(moe.weights_scale),
+                Arg::Ptr(self.ptr(&probs)),
+                Arg::Ptr(self.ptr(ids)),
+                Arg::Ptr(self.ptr(weights)),
+            ],
+        )
+    }
+
+    fn moe_combine(
+        &self,
+        y: &Dev<f32>,
+        weights: &Dev<f32>,
+        n_tokens: usize,
+        k: usize,
+        out: &mut Dev<f32>,
+    ) -> Result<(), RuntimeError> {
+        check_len("moe_combine weights", n_tokens * k, weights.len())?;
+        if n_tokens == 0 {
+            return Ok(());
+        }
+        let width = out.len() / n_tokens;
+        check_len("moe_combine output", n_tokens * width, out.len())?;
+        check_len("moe_combine input", n_tokens * k * width, y.len())?;
+        // Kernel moe_combine(y, weights, out, u32 n_tok, u32 k, u32 width).
+        self.launch(
+            "moe_combine",
+            Self::grid(n_tokens * width),
+            &[
+                Arg::Ptr(self.ptr(y)),
+                Arg::Ptr(self.ptr(weights)),
+                Arg::Ptr(self.ptr(out)),
+                Arg::U32(n_tokens as u32),
+                Arg::U32(k as u32),
+                Arg::U32(width as u32),
+            ],
+        )
+    }
+
+    fn kv_new(
+        &self,
+        k_width: usize,
+        v_width: usize,
+        dtype: KvDtype,
+    ) -> Result<CudaKv, RuntimeError> {
+        // No cells yet; one-element placeholders (the driver rejects empty allocations).
+        let store = || -> Result<KvStore, RuntimeError> {
+            Ok(match dtype {
+                KvDtype::F32 => KvStore::F32(self.stream.alloc_zeros::<f32>(1).map_err(drv)?),
+                KvDtype::F16 => KvStore::F16(self.stream.alloc_zeros::<u16>(1).map_err(drv)?),
+            })
+        };
+        Ok(CudaKv {
+            k: store()?,
+            v: store()?,
+            k_width,
+            v_width,
+            n_cells: 0,
+            dtype,
+        })
+    }
+
+    fn kv_reserve(&self, kv: &mut CudaKv, n_cells: usize) -> Result<(), RuntimeError> {
+        if n_cells <= kv.n_cells {
+            return Ok(());
+        }
+        let have = kv.n_cells;
+        let grow = |s: &mut KvStore, width: usize| -> Result<(), RuntimeError> {
+            let (keep, size) = (have * width, (n_cells * width).max(1));
+            match s {
+                KvStore::F32(old) => {
+                    let mut new = self.stream.alloc_zeros::<f32>(size).map_err(drv)?;
+                    if keep > 0 {
+                        self.stream
+                            .memcpy_dtod(&old.slice(..keep), &mut new.slice_mut(..keep))
+                            .map_err(drv)?;
+                    }
+                    *old = new;
+                }
+                KvStore::F16(old) => {
+                    let mut new = self.stream.alloc_zeros::<u16>(size).map_err(drv)?;
+                    if keep > 0 {
+                        self.stream
+                            .memcpy_dtod(&old.slice(..keep), &mut new.slice_mut(..keep))
+                            .map_err(drv)?;
+                    }
+                    *old = new;
+                }
+            }
+            Ok(())
+        };
+        grow(&mut kv.k, kv.k_width)?;
+        grow(&mut kv.v, kv.v_width)?;
+        kv.n_cells = n_cells;
+        Ok(())
+    }
+
+    fn kv_write(
+        &self,
+        kv: &mut CudaKv,
+        cells: &[u32],
+        k: &Dev<f32>,
+        v: &Dev<f32>,
+    ) -> Result<(), RuntimeError> {
+        check_len("kv_write keys", cells.len() * kv.k_width, k.len())?;
+        check_len("kv_write values", cells.len() * kv.v_width, v.len())?;
+        if let Some(&c) = cells.iter().find(|&&c| c as usize >= kv.n_cells) {
+            return Err(shape(
+                "kv_write cell (< reserved cells)",
+                kv.n_cells,
+                c as usize,
+            ));
+        }
+        if cells.is_empty() {
+            return Ok(());
+        }
+        let idx = self.upload_u32(cells)?;
+        let n = cells.len() as u32;
+        for (store, src, width) in [(&kv.k, k, kv.k_width), (&kv.v, v, kv.v_width)] {
+            let (name, dst) = match store {
+                KvStore::F32(s) => ("kv_write_f32", self.ptr(s)),
+                KvStore::F16(s) => ("kv_write_f16", self.ptr(s)),
+            };
+            // Kernel kv_write_*(kv, const u32* cells, const float* src, u32 n_rows, u32 width).
+            self.launch(
+                name,
+                Self::grid(cells.len() * width),
+                &[
+                    Arg::Ptr(dst),
+                    Arg::Ptr(self.ptr(&idx)),
+                    Arg::Ptr(self.ptr(src)),
+                    Arg::U32(n),
+                    Arg::U32(width as u32),
+                ],
+            )?;
+        }
+        Ok(())
+    }
+
+    fn kv_move(&self, kv: &mut CudaKv, moves: &[(u32, u32)]) -> Result<(), RuntimeError> {
+        if moves.is_empty() {
+            return Ok(());
+        }
+        for &(a, b) in moves {
+            let m = a.max(b) as usize;
+            if m >= kv.n_cells {
+                return Err(shape("kv_move cell (< reserved cells)", kv.n_cells, m));
+            }
+        }
+        let from: Vec<u32> = moves.iter().map(|m| m.0).collect();
+        let to: Vec<u32> = moves.iter().map(|m| m.1).collect();
+        let (from, to) = (self.upload_u32(&from)?, self.upload_u32(&to)?);
+        let words_per = match kv.dtype {
+            KvDtype::F32 => 2,
+            KvDtype::F16 => 1,
+        };
+        for (store, width) in [(&kv.k, kv.k_width), (&kv.v, kv.v_width)] {
+            let words = width * words_per;
+            let base = match store {
+                KvStore::F32(s) => self.ptr(s),
+                KvStore::F16(s) => self.ptr(s),
+            };
+            let tmp = self.zeros::<u16>(moves.len() * words)?;
+            let cfg = Self::grid(moves.len() * words);
+            // Kernel copy_rows_u16(src, src_idx, dst, dst_idx, u32 n_rows, u32 words): gather
+            // every source row first, then scatter (all reads before any write).
+            self.launch(
+                "copy_rows_u16",
+                cfg,
+                &[
+                    Arg::Ptr(base),
+                    Arg::Ptr(self.ptr(&from)),
+                    Arg::Ptr(self.ptr(&tmp)),
+                    Arg::Ptr(0),
+                    Arg::U32(moves.len() as u32),
+                    Arg::U32(words as u32),
+                ],
+            )?;
+            self.launch(
+                "copy_rows_u16",
+                cfg,
+                &[
+                    Arg::Ptr(self.ptr(&tmp)),
+                    Arg::Ptr(0),
+                    Arg::Ptr(base),
+                    Arg::Ptr(self.ptr(&to)),
+                    Arg::U32(moves.len() as u32),
+                    Arg::U32(words as u32),
+                ],
+            )?;
+        }
+        Ok(())
+    }
+
+    fn kv_read_k(
+        &self,
+        kv: &CudaKv,
+        n_cells: usize,
+        out: &mut Dev<f32>,
+    ) -> Result<(), RuntimeError> {
+        check_len("kv_read_k output", n_cells * kv.k_width, out.len())?;
+        if n_cells > kv.n_cells {
+            return Err(shape("kv_read_k cells (<= reserved)", kv.n_cells, n_cells));
+        }
+        let n = n_cells * kv.k_width;
+        if n == 0 {
+            return Ok(());
+        }
+        match &kv.k {
+            KvStore::F32(s) => self
+                .stream
+                .memcpy_dtod(&s.slice(..n), &mut out.mem.slice_mut(..n))
+                .map_err(drv),
+            // Kernel f16_to_f32_rows(const u16* src, float* dst, u64 n).
+            KvStore::F16(s) => self.launch(
+                "f16_to_f32_rows",
+                Self::grid(n),
+                &[
+                    Arg::Ptr(self.ptr(s)),
+                    Arg::Ptr(self.ptr(out)),
+                    Arg::U64(n as u64),
+                ],
+            ),
+        }
+    }
+
+    fn attention(
+        &self,
+        q: &Dev<f32>,
+        kv: KvSource<'_, Self>,
+        m: &AttnMeta<'_>,
+        out: &mut Dev<f32>,
+    ) -> Result<(), RuntimeError> {
+        let n = m.queries.len();
+        let n_cells = m.cells.len();
+        check_len("attention q", n * m.n_head * m.head_dim_k, q.len())?;
+        check_len("attention out", n * m.n_head * m.head_dim_v, out.len())?;
+        if m.n_head_kv == 0 || !m.n_head.is_multiple_of(m.n_head_kv) {
+            return Err(shape(
+                "attention heads (n_head a multiple of n_head_kv)",
+                m.n_head_kv,
+                m.n_head,
+            ));
+        }
+        if m.mask.tree {
+            check_len("attention ancestors", n * m.anc_words, m.ancestors.len())?;
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let (k_stride, v_stride) = (m.n_head_kv * m.head_dim_k, m.n_head_kv * m.head_dim_v);
+        let (name, kp, vp) = match kv {
+            KvSource::Cache(c) => {
+                check_len("attention cache key width", k_stride, c.k_width)?;
+                check_len("attention cache value width", v_stride, c.v_width)?;
+                if n_cells > c.n_cells {
+                    return Err(shape("attention cells (<= reserved)", c.n_cells, n_cells));
+                }
+                match (&c.k, &c.v) {
+                    (KvStore::F32(k), KvStore::F32(v)) => {
+                        ("attention_f32", self.ptr(k), self.ptr(v))
+                    }
+                    (KvStore::F16(k), KvStore::F16(v)) => {
+                        ("attention_f16", self.ptr(k), self.ptr(v))
+                    }
+                    _ => return Err(shape("attention cache (one storage type)", 0, 1)),
+                }
+            }
+            KvSource::Bufs { k, v } => {
+                check_len("attention k", n_cells * k_stride, k.len())?;
+                check_len("attention v", n_cells * v_stride, v.len())?;
+                ("attention_f32", self.ptr(k), self.ptr(v))
+            }
+        };
+        let q_pos = self.upload_u32(&m.queries.iter().map(|q| q.pos).collect::<Vec<_>>())?;
+        let q_seq = self.upload_u32(&m.queries.iter().map(|q| q.seq).collect::<Vec<_>>())?;
+        let c_pos = self.upload_u32(&m.cells.iter().map(|c| c.pos).collect::<Vec<_>>())?;
+        let c_seq = self.upload_u32(&m.cells.iter().map(|c| c.seq).collect::<Vec<_>>())?;
+        let c_batch = self.upload_u32(&m.cells.iter().map(|c| c.batch).collect::<Vec<_>>())?;
+        let anc: Option<Dev<u64>> = if m.mask.tree && !m.ancestors.is_empty() {
+            Some(self.upload_any(m.ancestors)?)
+        } else {
+            None
+        };
+        let scores = self.zeros_f32(n * m.n_head * n_cells)?;
+        let window = match m.mask.window {
+            Some(w) => u32::try_from(w).unwrap_or(u32::MAX).max(1),
+            None => 0,
+        };
+        let shared = (m.head_dim_k * 4) as u32;
+        if shared > 48 * 1024 {
+            return Err(shape(
+                "attention head width (≤ 12288 for shared memory)",
+                12_288,
+                m.head_dim_k,
+            ));
+        }
+        // Kernel attention_{f32,f16}(q, k, v, u64 k_stride, u64 v_stride, out, u32 n_head,
+        // u32 n_head_kv, u32 dk, u32 dv, float scale, u32 causal, u32 window, u32 tree,
+        // q_pos, q_seq, c_pos, c_seq, c_batch, u32 n_cells, const u64* anc, u32 anc_words,
+        // float* scores): grid (n_head, n_tok), dynamic shared memory dk floats.
+        self.launch(
+            name,
+            LaunchConfig {
+                grid_dim: (m.n_head as u32, n as u32, 1),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: shared,
+            },
+            &[
+                Arg::Ptr(self.ptr(q)),
+                Arg::Ptr(kp),
+                Arg::Ptr(vp),
+                Arg::U64(k_stride as u64),
+                Arg::U64(v_stride as u64),
+                Arg::Ptr(self.ptr(out)),
+                Arg::U32(m.n_head as u32),
+                Arg::U32(m.n_head_kv as u32),
+                Arg::U32(m.head_dim_k as u32),
+                Arg::U32(m.head_dim_v as u32),
+                Arg::F32(m.scale),
+                Arg::U32(u32::from(m.mask.causal)),
+                Arg::U32(window),
+                Arg::U32(u32::from(m.mask.tree)),
+                Arg::Ptr(self.ptr(&q_pos)),
+                Arg::Ptr(self.ptr(&q_seq)),
+                Arg::Ptr(self.ptr(&c_pos)),
+                Arg::Ptr(self.ptr(&c_seq)),
+                Arg::Ptr(self.ptr(&c_batch)),
+                Arg::U32(n_cells as u32),
+                Arg::Ptr(anc.as_ref().map_or(0, |a| self.ptr(a))),
+                Arg::U32(m.anc_words as u32),
+                Arg::Ptr(self.ptr(&scores)),
+            ],
+        )
+    }
+}
+
+/// ggml's `ggml_rope_yarn_corr_dims` (twin: engine::runtime::cpu::yarn_corr_dims).
+fn yarn_corr_dims(
+    n_dims: usize,
+    n_ctx_orig: usize,
+    base: f32,
+    beta_fast: f32,
+    beta_slow: f32,
+) -> [f32; 2] {
+    let corr = |n_rot: f32| {
+        n_dims as f32 * (n_ctx_orig as f32 / (n_rot * 2.0 * std::f32::consts::PI)).ln()
+            / (2.0 * base.ln())
+    };
+    let start = corr(beta_fast).floor();
+    let end = corr(beta_slow).ceil();
+    [start.max(0.0), end.min(n_dims as f32 - 1.0)]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_macro_generated_kernel_is_listed_for_every_type() {
+        let mmv = FILES
+            .iter()
+            .find(|f| f.name == "mmv.cu")
+            .map(|f| f.program())
+            .unwrap_or_default();
+        let e = entry_points(&mmv);
+        assert_eq!(e.len(), CUDA_TYPES.len(), "{e:?}");
+        assert!(e.contains(&"mmv_q4_k".to_string()) && e.contains(&"mmv_iq4_xs".to_string()));
+        let deq = FILES
+            .iter()
+            .find(|f| f.name == "dequant.cu")
+            .map(|f| f.program())
+            .unwrap_or_default();
+        let e = entry_points(&deq);
+        assert!(
+            e.contains(&"dequant_q6_k_f16".to_string())
+                && e.contains(&"embed_mxfp4".to_string())
+                && e.contains(&"gemm_f16_f32".to_string())
+        );
+        assert_eq!(e.len(), 2 * CUDA_TYPES.len() + 1);
+    }
+
+    /// quant.cuh's `FOR_EACH_TYPE` lists exactly the supported types, with their GGUF ids.
+    #[test]
+    fn the_cuda_type_list_matches_the_ggml_ids() {
+        let prog = FILES[0].program();
+        let start = prog.find("#define FOR_EACH_TYPE(X)").unwrap_or(0);
+        let listed: Vec<(String, u32)> = prog[start..]
+            .lines()
+            .skip(1)
+            .take_while(|l| l.trim_start().starts_with("X("))
+            .filter_map(|l| {
+                let inner = l.trim().trim_start_matches("X(").split(')').next()?;
+                let (n, id) = inner.split_once(',')?;
+                Some((n.trim().to_string(), id.trim().parse().ok()?))
+            })
+            .collect();
+        assert_eq!(listed.len(), CUDA_TYPES.len(), "{listed:?}");
+        for (name, id) in listed {
+            let ty = GgmlType::from_id(id).unwrap_or_else(|| panic!("id {id}"));
+            assert_eq!(ty.name().to_ascii_lowercase(), name);
+            assert!(CUDA_TYPES.contains(&ty));
+        }
+    }
+}
