@@ -7,8 +7,11 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use engine::model::Model;
-use engine::runtime::{Backend, CpuBackend, Engine, Session};
+use engine::runtime::{Backend, CpuBackend, Engine, KvDtype, Session};
 use engine::sampling::{Sampler, SamplerConfig};
+use engine::spec::{
+    self, HeadRows, Limits, ModelProposer, NgramProposer, Proposer, SpecConfig, SpecError,
+};
 use engine::tokenizer::Tokenizer;
 use kernels::cpu::Isa;
 use serde_json::json;
@@ -83,6 +86,195 @@ pub struct Args {
     /// Print one JSON object (ids, text, throughput) instead of streaming text
     #[arg(long)]
     pub json: bool,
+    #[command(flatten)]
+    pub spec: SpecArgs,
+}
+
+/// Speculative decoding.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum SpecKind {
+    /// DDTree-style tree speculation
+    Tree,
+}
+
+/// Options of `--spec tree`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct SpecArgs {
+    /// Speculative decoding (lossless: the output is plain decoding's)
+    #[arg(long, value_enum)]
+    pub spec: Option<SpecKind>,
+    /// Draft-tree node budget (the verify forward runs budget + 1 tokens)
+    #[arg(long, default_value_t = 8)]
+    pub budget: usize,
+    /// Children per draft-tree node at most (`--top-k` is the sampler's)
+    #[arg(long, default_value_t = 4)]
+    pub tree_top_k: usize,
+    /// Deepest draft-tree depth (default: the budget)
+    #[arg(long)]
+    pub max_depth: Option<usize>,
+    /// Tokens of history the drafter keeps (its sliding window)
+    #[arg(long, default_value_t = 2048)]
+    pub draft_window: usize,
+    /// Drafter: ngram, model:FILE (same vocabulary) or self:LAYERS (the target's first layers)
+    #[arg(long, default_value = "ngram")]
+    pub draft: String,
+    /// Keep the budget fixed instead of choosing it per round from measured cost and acceptance
+    #[arg(long)]
+    pub fixed_budget: bool,
+    /// Compute head rows for the drafter's best chain first, others on demand (default: all)
+    #[arg(long)]
+    pub chain_head: bool,
+}
+
+/// A parsed `--draft`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Draft {
+    Ngram,
+    Model(PathBuf),
+    SelfLayers(usize),
+}
+
+impl std::str::FromStr for Draft {
+    type Err = anyhow::Error;
+    fn from_str(s: &str) -> Result<Draft> {
+        if s == "ngram" {
+            return Ok(Draft::Ngram);
+        }
+        if let Some(f) = s.strip_prefix("model:") {
+            if f.is_empty() {
+                bail!("--draft model:FILE needs a file name");
+            }
+            return Ok(Draft::Model(PathBuf::from(f)));
+        }
+        if let Some(n) = s.strip_prefix("self:") {
+            let n: usize = n.parse().with_context(|| {
+                format!("--draft self:LAYERS expects a layer count, found {n:?}")
+            })?;
+            return Ok(Draft::SelfLayers(n));
+        }
+        bail!("--draft expects ngram, model:FILE or self:LAYERS, found {s:?}")
+    }
+}
+
+impl SpecArgs {
+    /// The speculation settings.
+    pub fn config(&self) -> SpecConfig {
+        let mut cfg = SpecConfig::new(self.budget, self.tree_top_k);
+        if let Some(d) = self.max_depth {
+            cfg.shape.max_depth = d;
+        }
+        cfg.adaptive = !self.fixed_budget;
+        if self.chain_head {
+            cfg.head_rows = HeadRows::Chain;
+        }
+        cfg
+    }
+}
+
+/// Run `f` with the drafter `draft` for the target `model` on `backend`.
+pub fn with_proposer<R>(
+    draft: &Draft,
+    model: &Model,
+    backend: &CpuBackend,
+    window: usize,
+    f: impl FnOnce(&mut dyn Proposer) -> Result<R>,
+) -> Result<R> {
+    match draft {
+        Draft::Ngram => f(&mut NgramProposer::new(window)),
+        Draft::Model(path) => {
+            let dm = Model::load(path)
+                .with_context(|| format!("loading draft model {}", path.display()))?;
+            let (dv, tv) = (dm.config().n_vocab, model.config().n_vocab);
+            if dv != tv {
+                return Err(SpecError::DrafterVocab {
+                    draft: dv,
+                    target: tv,
+                })
+                .with_context(|| format!("draft model {}", path.display()));
+            }
+            let de = Engine::new(&dm, backend).context("preparing the draft model")?;
+            let mut p = ModelProposer::new(&de, window, format!("model:{}", path.display()))?;
+            f(&mut p)
+        }
+        Draft::SelfLayers(n) => {
+            let de = Engine::with_layers(model, backend, *n)
+                .with_context(|| format!("self-draft of the first {n} layers"))?;
+            let mut p = ModelProposer::new(&de, window, format!("self:{n}"))?;
+            f(&mut p)
+        }
+    }
+}
+
+/// `--spec tree`: speculative generation, printed when done.
+fn run_spec(
+    args: &Args,
+    model: &Model,
+    backend: &CpuBackend,
+    tokenizer: &Tokenizer,
+    prompt_ids: &[u32],
+    sampler: &mut Sampler,
+) -> Result<()> {
+    let draft: Draft = args.spec.draft.parse()?;
+    let cfg = args.spec.config();
+    cfg.validate().context("--spec tree settings")?;
+    let engine = Engine::new(model, backend).context("preparing the weights")?;
+    let mut cache = engine.new_cache(
+        prompt_ids.len() + args.max_tokens + args.spec.budget + 2,
+        KvDtype::F32,
+    )?;
+    let limits = Limits {
+        max_tokens: args.max_tokens,
+        eog: tokenizer.eog_ids(),
+        stop_sequences: Vec::new(),
+    };
+    let out = with_proposer(&draft, model, backend, args.spec.draft_window, |p| {
+        spec::generate(&engine, &mut cache, prompt_ids, p, sampler, &cfg, &limits)
+            .context("speculative generation")
+    })?;
+    let st = &out.stats;
+    let n_decoded = out.tokens.len().saturating_sub(1);
+    let decode_tps = n_decoded as f64 / st.decode_secs.max(f64::MIN_POSITIVE);
+    let mut stdout = std::io::stdout().lock();
+    if args.json {
+        let j = json!({
+            "prompt_ids": prompt_ids,
+            "generated_ids": out.tokens,
+            "text": tokenizer.decode(&out.tokens),
+            "n_prompt": prompt_ids.len(),
+            "n_generated": out.tokens.len(),
+            "prefill_tokens_per_s": prompt_ids.len() as f64 / st.prefill_secs.max(f64::MIN_POSITIVE),
+            "decode_tokens_per_s": decode_tps,
+            "spec": {
+                "drafter": args.spec.draft,
+                "budget": args.spec.budget,
+                "top_k": args.spec.tree_top_k,
+                "draft_window": args.spec.draft_window,
+                "adaptive": cfg.adaptive,
+                "tau": st.tau(),
+                "acceptance_by_depth": st.acceptance_by_depth(),
+                "rounds": st.rounds,
+                "spec_rounds": st.spec_rounds,
+                "budget_rounds": st.budget_rounds,
+                "draft_secs": st.draft_secs,
+                "verify_secs": st.verify_secs,
+                "head_rows": st.head_rows,
+                "head_passes": st.head_passes,
+            },
+            "backend": backend.name(),
+            "isa": backend.isa().name(),
+            "threads": backend.threads(),
+        });
+        writeln!(stdout, "{}", serde_json::to_string_pretty(&j)?)?;
+    } else {
+        writeln!(stdout, "{}", tokenizer.decode(&out.tokens))?;
+        tracing::info!(
+            n_generated = out.tokens.len(),
+            tau = st.tau(),
+            decode_tokens_per_s = decode_tps,
+            "generate --spec tree done"
+        );
+    }
+    Ok(())
 }
 
 pub fn run(args: Args) -> Result<()> {
@@ -115,6 +307,16 @@ pub fn run(args: Args) -> Result<()> {
         cfg.seed = s;
     }
     let mut sampler = Sampler::new(cfg);
+    if args.spec.spec == Some(SpecKind::Tree) {
+        return run_spec(
+            &args,
+            &model,
+            &backend,
+            &tokenizer,
+            &prompt_ids,
+            &mut sampler,
+        );
+    }
 
     let n_ctx = prompt_ids.len() + args.max_tokens;
     let engine = Engine::new(&model, &backend).context("preparing the weights")?;

@@ -8,6 +8,7 @@ mod dump;
 mod generate;
 mod inspect;
 mod perplexity;
+mod spec_bench;
 mod tokenize;
 
 #[derive(Parser)]
@@ -33,6 +34,8 @@ enum Command {
     Perplexity(perplexity::Args),
     /// Show the token ids and pieces of a text under a model's vocabulary
     Tokenize(tokenize::Args),
+    /// Tree speculation on code, repetitive text and prose: τ and speedup over plain decoding
+    SpecBench(spec_bench::Args),
 }
 
 fn main() -> ExitCode {
@@ -47,6 +50,7 @@ fn main() -> ExitCode {
         Command::Generate(args) => generate::run(args),
         Command::Perplexity(args) => perplexity::run(args),
         Command::Tokenize(args) => tokenize::run(args),
+        Command::SpecBench(args) => spec_bench::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

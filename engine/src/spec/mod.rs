@@ -60,7 +60,7 @@ pub enum SpecError {
 }
 
 /// How to speculate.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct SpecConfig {
     /// The largest tree: budget, top-k, deepest depth.
     pub shape: TreeShape,
@@ -70,6 +70,9 @@ pub struct SpecConfig {
     pub head_rows: HeadRows,
     /// Keep each round's tree, visited logits and walk in [`SpecOutput::trace`] (for checks).
     pub trace: bool,
+    /// The measured cost of verifying n tokens, if already known (else the adaptive policy
+    /// measures it after the prefill).
+    pub cost: Option<CostCurve>,
 }
 
 impl SpecConfig {
@@ -78,8 +81,9 @@ impl SpecConfig {
         SpecConfig {
             shape: TreeShape::new(budget, top_k),
             adaptive: false,
-            head_rows: HeadRows::All,
+            head_rows: HeadRows::Visited,
             trace: false,
+            cost: None,
         }
     }
 
@@ -209,8 +213,9 @@ pub struct SpecOutput {
     pub policy: Option<Policy>,
 }
 
-/// Measure the target's forward of `n` tokens for `n = 1..=max_n` (best of `reps`), on a cache
-/// holding the context; every measurement is rolled back.
+/// Measure the target's layers over `n` tokens for `n = 1..=max_n` (1, 2, 3, 5, 9, … measured,
+/// best of `reps`; linear between) and one head row, on a cache holding the context; every
+/// measurement is rolled back.
 pub fn measure_cost<'m, B: Backend + 'm>(
     engine: &Engine<'m, B>,
     cache: &mut KvCache<B>,
@@ -219,19 +224,54 @@ pub fn measure_cost<'m, B: Backend + 'm>(
     reps: usize,
 ) -> Result<CostCurve, SpecError> {
     let start = cache.next_pos(SEQ);
-    let mut secs = Vec::with_capacity(max_n);
-    for n in 1..=max_n.max(1) {
+    let max_n = max_n.max(1);
+    // 1, 2, 3, 5, 9, 17, … and max_n; linear between them.
+    let mut points = vec![1usize];
+    while let Some(&last) = points.last() {
+        let next = if last < 3 { last + 1 } else { 2 * last - 1 };
+        if next >= max_n {
+            break;
+        }
+        points.push(next);
+    }
+    if max_n > 1 {
+        points.push(max_n);
+    }
+    let mut measured = Vec::with_capacity(points.len());
+    for &n in &points {
         let mut best = f64::INFINITY;
         for _ in 0..reps.max(1) {
-            let batch = Batch::chain(SEQ, start, &vec![token; n], true);
+            let batch = Batch::chain(SEQ, start, &vec![token; n], false);
             let t = Instant::now();
-            engine.forward(cache, &batch, None)?;
+            engine.forward_hidden(cache, &batch)?;
             best = best.min(t.elapsed().as_secs_f64());
             cache.rollback();
         }
-        secs.push(best);
+        measured.push(best);
     }
-    Ok(CostCurve { secs })
+    // One head row on its own.
+    let batch = Batch::chain(SEQ, start, &[token], false);
+    let hidden = engine.forward_hidden(cache, &batch)?;
+    cache.rollback();
+    let mut head_row = f64::INFINITY;
+    for _ in 0..reps.max(1) {
+        let t = Instant::now();
+        engine.head(&hidden, &[0])?;
+        head_row = head_row.min(t.elapsed().as_secs_f64());
+    }
+    let mut secs = Vec::with_capacity(max_n);
+    for n in 1..=max_n {
+        let i = points.partition_point(|&p| p < n);
+        let s = if points[i] == n {
+            measured[i]
+        } else {
+            let (p0, p1) = (points[i - 1], points[i]);
+            let f = (n - p0) as f64 / (p1 - p0) as f64;
+            measured[i - 1] + f * (measured[i] - measured[i - 1])
+        };
+        secs.push(s);
+    }
+    Ok(CostCurve { secs, head_row })
 }
 
 /// Generate after `prompt` with tree speculation: prefill, draw the first token, then rounds of
@@ -291,7 +331,10 @@ pub fn generate<'m, B: Backend + 'm>(
 
     let t_decode = Instant::now();
     let mut policy = if cfg.adaptive && cfg.shape.budget > 0 {
-        let cost = measure_cost(engine, cache, first, cfg.shape.budget + 1, 2)?;
+        let cost = match &cfg.cost {
+            Some(c) => c.clone(),
+            None => measure_cost(engine, cache, first, cfg.shape.budget + 1, 1)?,
+        };
         Some(Policy::new(cfg.shape.budget, cost))
     } else {
         None
@@ -340,6 +383,8 @@ pub fn generate<'m, B: Backend + 'm>(
         };
         stats.head_passes += verified.head_passes;
         stats.head_rows += verified.head_rows;
+        let (layers_secs, head_secs, head_rows) =
+            (verified.layers_secs, verified.head_secs, verified.head_rows);
         drop(verified);
         kv::keep_path(be, cache, &walk.path)?;
         let verify_secs = tv.elapsed().as_secs_f64();
@@ -364,7 +409,8 @@ pub fn generate<'m, B: Backend + 'm>(
             }
         }
         if let Some(p) = policy.as_mut() {
-            p.measured(tree.len(), verify_secs);
+            p.measured(tree.len(), layers_secs);
+            p.measured_head(head_rows, head_secs);
             p.observe(&out);
         }
         let stopped = walk.stopped;

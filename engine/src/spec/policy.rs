@@ -14,17 +14,27 @@ use std::collections::VecDeque;
 
 use super::tree::Tree;
 
-/// Cost of one target forward of `n` tokens relative to one token, `cost[n - 1]`, measured.
+/// The measured cost of a verify: the target's layers over `n` tokens, and one head row.
 #[derive(Clone, Debug, PartialEq)]
 pub struct CostCurve {
-    /// Seconds of a forward of `n` tokens, `secs[n - 1]`.
+    /// Seconds of the layers over `n` tokens, `secs[n - 1]`.
     pub secs: Vec<f64>,
+    /// Seconds of one row through the output norm and head.
+    pub head_row: f64,
 }
 
 impl CostCurve {
     /// Seconds for `n` tokens (`n ≥ 1`; past the measured range, linear from the last two).
+    /// Never less than for fewer tokens: a noisy measurement must not make a larger verify look
+    /// cheaper than a smaller one.
     pub fn secs(&self, n: usize) -> f64 {
         let n = n.max(1);
+        let upto = n.min(self.secs.len());
+        let floor = self.secs[..upto].iter().copied().fold(0.0, f64::max);
+        floor.max(self.raw_secs(n))
+    }
+
+    fn raw_secs(&self, n: usize) -> f64 {
         match self.secs.len() {
             0 => n as f64,
             len if n <= len => self.secs[n - 1],
@@ -36,9 +46,14 @@ impl CostCurve {
         }
     }
 
-    /// Cost of `n` tokens over the cost of one.
-    pub fn ratio(&self, n: usize) -> f64 {
-        self.secs(n) / self.secs(1).max(f64::MIN_POSITIVE)
+    /// Seconds of a verify of `n` tokens whose walk reads `rows` head rows.
+    pub fn verify_secs(&self, n: usize, rows: f64) -> f64 {
+        self.secs(n) + rows * self.head_row
+    }
+
+    /// Cost of a verify of `n` tokens with `rows` head rows over a plain decode step.
+    pub fn ratio(&self, n: usize, rows: f64) -> f64 {
+        self.verify_secs(n, rows) / self.verify_secs(1, 1.0).max(f64::MIN_POSITIVE)
     }
 }
 
@@ -91,9 +106,11 @@ impl Policy {
     pub fn rate(&self, i: usize) -> f64 {
         let b = self.budgets[i];
         if b == 0 {
-            return 1.0 / self.cost.secs(1);
+            return 1.0 / self.cost.verify_secs(1, 1.0);
         }
-        (1.0 + self.accepted[i]) / (self.cost.secs(b + 1) + self.draft_secs)
+        // The walk reads one head row per emitted token.
+        let tokens = 1.0 + self.accepted[i];
+        tokens / (self.cost.verify_secs(b + 1, tokens) + self.draft_secs)
     }
 
     /// The budget for the next round.
@@ -154,7 +171,7 @@ impl Policy {
         }
     }
 
-    /// Update the cost of `n` tokens with a measurement (a running mean).
+    /// Update the cost of the layers over `n` tokens with a measurement (a running mean).
     pub fn measured(&mut self, n: usize, secs: f64) {
         if n == 0 || !secs.is_finite() {
             return;
@@ -167,6 +184,15 @@ impl Policy {
         }
         let s = &mut self.cost.secs[n - 1];
         *s += 0.1 * (secs - *s);
+    }
+
+    /// Update the cost of one head row with a pass of `rows` rows (a running mean).
+    pub fn measured_head(&mut self, rows: usize, secs: f64) {
+        if rows == 0 || !secs.is_finite() {
+            return;
+        }
+        let per_row = secs / rows as f64;
+        self.cost.head_row += 0.1 * (per_row - self.cost.head_row);
     }
 
     /// Mean accepted draft tokens per round for each budget.
@@ -196,6 +222,7 @@ mod tests {
         // Verifying 9 tokens costs 8 plain steps; drafts are never right.
         let cost = CostCurve {
             secs: (1..=9).map(|n| n as f64).collect(),
+            head_row: 1.0,
         };
         let mut p = Policy::new(8, cost);
         for r in 0..10 {
@@ -210,6 +237,7 @@ mod tests {
         // Verifying costs little more than one token; the drafts are always right.
         let cost = CostCurve {
             secs: (1..=9).map(|n| 1.0 + 0.05 * n as f64).collect(),
+            head_row: 0.1,
         };
         let mut p = Policy::new(8, cost);
         let out: Vec<u32> = (0..100).collect();

@@ -22,6 +22,9 @@ pub enum HeadRows {
     /// The root and the drafter's best chain below it; any other node the walk reaches is
     /// computed on demand together with its own best chain (one more pass each time).
     Chain,
+    /// Exactly the nodes the walk visits, one pass each (best where a head pass costs in
+    /// proportion to its rows, as on a CPU whose head product is compute-bound).
+    Visited,
 }
 
 /// The verify batch of `tree` for sequence `seq` whose next position is `start`.
@@ -43,9 +46,12 @@ pub struct Verified<'t, B: Backend> {
     hidden: Hidden<B>,
     logits: HashMap<usize, Vec<f32>>,
     plan: HeadRows,
-    /// Head passes and rows computed.
+    /// Head passes and rows computed, and their seconds.
     pub head_passes: usize,
     pub head_rows: usize,
+    pub head_secs: f64,
+    /// Seconds of the layers.
+    pub layers_secs: f64,
 }
 
 /// Run `tree` (root first) through the target's layers; its cells are pending in `cache`
@@ -59,6 +65,7 @@ pub fn verify<'t, 'm, B: Backend + 'm>(
 ) -> Result<Verified<'t, B>, SpecError> {
     let start = cache.next_pos(seq);
     let batch = tree_batch(tree, seq, start);
+    let t = std::time::Instant::now();
     let hidden = engine.forward_hidden(cache, &batch)?;
     let mut v = Verified {
         tree,
@@ -67,10 +74,13 @@ pub fn verify<'t, 'm, B: Backend + 'm>(
         plan,
         head_passes: 0,
         head_rows: 0,
+        head_secs: 0.0,
+        layers_secs: t.elapsed().as_secs_f64(),
     };
     let first = match plan {
         HeadRows::All => (0..tree.len()).collect(),
         HeadRows::Chain => best_chain(tree, 0),
+        HeadRows::Visited => vec![0],
     };
     v.compute(engine, first)?;
     Ok(v)
@@ -98,7 +108,9 @@ impl<B: Backend> Verified<'_, B> {
         if rows.is_empty() {
             return Ok(());
         }
+        let t = std::time::Instant::now();
         let l = engine.head(&self.hidden, &rows)?;
+        self.head_secs += t.elapsed().as_secs_f64();
         self.head_passes += 1;
         self.head_rows += rows.len();
         for (i, &r) in rows.iter().enumerate() {
@@ -120,7 +132,7 @@ impl<B: Backend> Verified<'_, B> {
         }
         if !self.logits.contains_key(&node) {
             let rows = match self.plan {
-                HeadRows::All => vec![node],
+                HeadRows::All | HeadRows::Visited => vec![node],
                 HeadRows::Chain => best_chain(self.tree, node),
             };
             self.compute(engine, rows)?;
