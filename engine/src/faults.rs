@@ -37,8 +37,8 @@ pub enum Fault {
     /// that laid out the 3-D expert tensors in the wrong order would (first seen at the first MoE
     /// layer's `ffn_out`).
     PermutedExperts,
-    /// The tokenizer omits BOS even where the model asks for it (`add_bos_token`). Both sides of
-    /// verify are fed the engine's tokens, so no tap can see it: the `bos` gate must.
+    /// The tokenizer omits BOS even where the model asks for it (`add_bos_token`). The reference
+    /// tokenizes with its own tokenizer, so verify's `tokens` gate must see it.
     TokenizerDropsBos,
     /// `Gguf::open_listed` maps each shard's data in the order the files were listed instead of
     /// by `split.no`, so a shard's tensor table reads another shard's bytes (on a split set with

@@ -15,6 +15,14 @@ pub trait TapObserver {
     /// One tap: `name` (as in `docs/TAPS.md`), `shape` (`[n_tokens, width]`), `data` (row-major,
     /// `shape.iter().product()` values). The data is only borrowed for the call.
     fn tap(&mut self, name: &str, shape: &[usize], data: &[f32]);
+
+    /// Layer isolation, for verification: right after the engine emits a residual-stream tap
+    /// (`embed` or `blk.{i}.out`), the observer may return values (same shape) that the forward
+    /// pass continues from instead of its own, so that each layer runs on a given input (the
+    /// reference's) and its error is its own. `None` (the default) changes nothing.
+    fn replace(&mut self, _name: &str) -> Option<&[f32]> {
+        None
+    }
 }
 
 /// Collects every tap into memory: the simplest observer, for tests and dumps.
@@ -87,6 +95,16 @@ impl<'a> Taps<'a> {
             debug_assert_eq!(data.len(), n_tokens * width, "tap data length");
             obs.tap(&name(), &[n_tokens, width], data);
         }
+    }
+}
+
+impl Taps<'_> {
+    /// The observer's replacement for the residual stream after tap `name` ([`TapObserver::replace`]);
+    /// `None` without an observer. `name` is only called when one is attached.
+    #[inline]
+    pub fn replacement<'n>(&mut self, name: impl FnOnce() -> Cow<'n, str>) -> Option<&[f32]> {
+        let obs = self.observer.as_deref_mut()?;
+        obs.replace(&name())
     }
 }
 

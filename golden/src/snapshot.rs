@@ -325,9 +325,143 @@ fn top_k(last: &[f32], k: usize, model: &ReferenceModel) -> Vec<Candidate> {
         .collect()
 }
 
+/// The pinned snapshot of the model with file stem `stem` (`tests/snapshots/{stem}.snap`).
+pub fn snapshot_path(stem: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/snapshots")
+        .join(format!("{stem}.snap"))
+}
+
+/// Relative drift allowed per number when a fresh summary is compared with its pinned snapshot
+/// outside insta (verify's `golden` gate, which runs on any machine): the snapshot keeps
+/// [`SIG_DIGITS`] = 4 digits, so rounding alone moves a value by up to 5e-4 of itself, and a value
+/// next to a rounding boundary may round the other way on a machine whose candle kernels sum in
+/// another order. 2e-3 is four such units; a real change to a layer moves its summary by ≥ 1e-2
+/// (module docs). Tap means are judged against the tap's RMS (a mean near 0 has no relative
+/// precision).
+pub const DRIFT_TOLERANCE: f64 = 2e-3;
+
+/// Where a fresh summary differs from the pinned snapshot `snap` (the `.snap` file's text, insta
+/// header included): token ids exactly, every number within [`DRIFT_TOLERANCE`]. Empty when they
+/// agree.
+pub fn drift(summary: &GoldenSummary, snap: &str) -> Result<Vec<String>, String> {
+    // insta's header is a `---`-delimited block before the JSON body.
+    let body = match snap.strip_prefix("---") {
+        Some(rest) => rest
+            .split_once("\n---\n")
+            .map(|(_, body)| body)
+            .ok_or("the snapshot's insta header is not closed by a --- line")?,
+        None => snap,
+    };
+    let pinned: serde_json::Value =
+        serde_json::from_str(body).map_err(|e| format!("the snapshot is not JSON: {e}"))?;
+    let fresh = serde_json::to_value(summary).map_err(|e| e.to_string())?;
+    let mut out = Vec::new();
+    diff_value("", &fresh, &pinned, 1.0, &mut out);
+    Ok(out)
+}
+
+fn diff_value(
+    at: &str,
+    fresh: &serde_json::Value,
+    pinned: &serde_json::Value,
+    scale: f64,
+    out: &mut Vec<String>,
+) {
+    use serde_json::Value as V;
+    match (fresh, pinned) {
+        (V::Object(a), V::Object(b)) => {
+            // A tap summary: its mean is judged against its RMS.
+            let rms = b.get("rms").and_then(V::as_f64).map(f64::abs);
+            for (k, bv) in b {
+                let path = format!("{at}.{k}");
+                match a.get(k) {
+                    None => out.push(format!("{path}: missing from the fresh summary")),
+                    Some(av) => {
+                        let s = match (k.as_str(), rms) {
+                            ("mean", Some(r)) => r,
+                            _ => scale,
+                        };
+                        diff_value(&path, av, bv, s, out)
+                    }
+                }
+            }
+            for k in a.keys().filter(|k| !b.contains_key(*k)) {
+                out.push(format!("{at}.{k}: not in the snapshot"));
+            }
+        }
+        (V::Array(a), V::Array(b)) if a.len() == b.len() => {
+            for (i, (av, bv)) in a.iter().zip(b).enumerate() {
+                diff_value(&format!("{at}[{i}]"), av, bv, scale, out);
+            }
+        }
+        (V::Array(a), V::Array(b)) => out.push(format!(
+            "{at}: {} entries, the snapshot has {}",
+            a.len(),
+            b.len()
+        )),
+        (V::Number(a), V::Number(b)) if a.is_f64() || b.is_f64() => {
+            let (x, y) = (
+                a.as_f64().unwrap_or(f64::NAN),
+                b.as_f64().unwrap_or(f64::NAN),
+            );
+            let s = scale.max(x.abs()).max(y.abs());
+            if !((x - y).abs() <= DRIFT_TOLERANCE * s) {
+                out.push(format!("{at}: {x} now, {y} in the snapshot"));
+            }
+        }
+        (a, b) if a != b => out.push(format!("{at}: {a} now, {b} in the snapshot")),
+        _ => {}
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::round_sig;
+
+    #[test]
+    fn drift_compares_ids_exactly_and_numbers_within_tolerance() {
+        let summary = super::GoldenSummary {
+            model: "m".into(),
+            architecture: "llama".into(),
+            vocab_size: 3,
+            prompt: super::PromptSummary {
+                text: "a".into(),
+                tokens: vec![1, 2],
+            },
+            taps: vec![super::TapSummary {
+                name: "embed".into(),
+                shape: vec![2, 4],
+                mean: 0.001,
+                rms: 1.0,
+                min: -2.0,
+                max: 2.0,
+            }],
+            greedy: super::Greedy {
+                tokens: vec![2],
+                text: "b".into(),
+                steps: vec![],
+            },
+        };
+        let pin = |tokens: &str, mean: f64, max: f64| {
+            format!(
+                "---\nsource: x\n---\n{{\"model\":\"m\",\"architecture\":\"llama\",\"vocab_size\":3,\
+                 \"prompt\":{{\"text\":\"a\",\"tokens\":{tokens}}},\"taps\":[{{\"name\":\"embed\",\
+                 \"shape\":[2,4],\"mean\":{mean},\"rms\":1.0,\"min\":-2.0,\"max\":{max}}}],\
+                 \"greedy\":{{\"tokens\":[2],\"text\":\"b\",\"steps\":[]}}}}"
+            )
+        };
+        let d = |snap: String| super::drift(&summary, &snap).unwrap_or_else(|e| vec![e]);
+        assert_eq!(d(pin("[1,2]", 0.001, 2.0)), Vec::<String>::new());
+        // A mean of 0.0015 against RMS 1 is 5e-4 of the scale: rounding, not drift.
+        assert_eq!(d(pin("[1,2]", 0.0015, 2.001)), Vec::<String>::new());
+        assert_eq!(d(pin("[1,3]", 0.001, 2.0)).len(), 1);
+        assert_eq!(
+            d(pin("[1,2]", 0.001, 2.1)),
+            vec![".taps[0].max: 2 now, 2.1 in the snapshot"]
+        );
+        assert_eq!(d(pin("[1,2,3]", 0.001, 2.0)).len(), 1);
+    }
 
     fn check(x: f64, expect: f64) {
         assert_eq!(round_sig(x), expect, "round_sig({x})");

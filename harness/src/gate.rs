@@ -16,6 +16,9 @@ pub struct GateResult {
     pub threshold: f64,
     /// What a person needs to act on it (first mismatch, baseline, …).
     pub detail: String,
+    /// `false` when the gate had nothing to judge against (no baseline, no snapshot): it did not
+    /// pass, it was not judged, and the reports say so in their own column.
+    pub judged: bool,
 }
 
 impl GateResult {
@@ -27,6 +30,29 @@ impl GateResult {
             value,
             threshold,
             detail,
+            judged: true,
+        }
+    }
+
+    /// A gate with nothing to judge against (`why`): counted neither as passed nor as failed, and
+    /// shown as "not judged" with its reason.
+    pub fn not_judged(gate: &'static str, value: f64, why: String) -> Self {
+        GateResult {
+            gate,
+            passed: true,
+            value,
+            threshold: f64::NAN,
+            detail: why,
+            judged: false,
+        }
+    }
+
+    /// `pass`, `FAIL` or `NOT JUDGED`.
+    pub fn label(&self) -> &'static str {
+        match (self.judged, self.passed) {
+            (false, _) => "NOT JUDGED",
+            (true, true) => "pass",
+            (true, false) => "FAIL",
         }
     }
 
@@ -38,12 +64,22 @@ impl GateResult {
             value,
             threshold,
             detail,
+            judged: true,
         }
     }
 }
 
 impl std::fmt::Display for GateResult {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if !self.judged {
+            return write!(
+                f,
+                "{} not judged: {} ({})",
+                self.gate,
+                fmt_sig(self.value),
+                self.detail
+            );
+        }
         write!(
             f,
             "{} {}: {} (threshold {})",
@@ -70,6 +106,20 @@ mod tests {
         assert!(!GateResult::at_most("g", f64::NAN, 1.0, String::new()).passed);
         assert!(GateResult::at_least("g", 1.0, 1.0, String::new()).passed);
         assert!(!GateResult::at_least("g", f64::NAN, 1.0, String::new()).passed);
+    }
+
+    #[test]
+    fn not_judged_is_neither_pass_nor_fail_in_its_label() {
+        let g = GateResult::not_judged("decode_ratio", 0.4, "no baseline".into());
+        assert_eq!(g.label(), "NOT JUDGED");
+        assert_eq!(
+            g.to_string(),
+            "decode_ratio not judged: 0.400 (no baseline)"
+        );
+        assert_eq!(
+            GateResult::at_most("g", 2.0, 1.0, String::new()).label(),
+            "FAIL"
+        );
     }
 
     #[test]

@@ -1,9 +1,17 @@
-//! Throughput: medians, a memory-bandwidth calibration, the roofline fraction, and baselines.
+//! Throughput: medians, same-run calibrations, the roofline fraction, and baselines.
 //!
-//! Decode on CPU is memory-bound: each token reads every weight once. Measuring the machine's
-//! read bandwidth in the same run turns tokens/s into a fraction of what the hardware allows
-//! (`roofline`), which moves far less between machines than tokens/s does. Performance is gated
-//! against `ci/baselines.json` with a noise margin, never asserted by a timed test.
+//! No absolute tokens/s is ever compared across runs or machines. Each figure is divided by a
+//! calibration measured in the same run, interleaved with the engine's own runs so that both see
+//! the same load:
+//!
+//! - **decode** (memory-bound: each token reads every weight once) by the memory-read bandwidth
+//!   ([`measure_memory_bandwidth_with`]): `decode_ratio = decode tok/s ÷ (bandwidth ÷ weight
+//!   bytes)`, the fraction of the memory roofline reached;
+//! - **prefill** (compute-bound) by an f32 multiply-add rate ([`measure_compute_with`]):
+//!   `prefill_ratio = prefill tok/s ÷ (FMA/s ÷ (2 × weight elements))`.
+//!
+//! The ratios are gated against `ci/baselines.json` with a noise margin; a case without a baseline
+//! is "not judged" (never a pass). Performance is never asserted by a timed test.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -145,12 +153,13 @@ pub fn roofline_fraction(
         .then(|| (weight_bytes_per_token / bandwidth_bytes_per_s) / secs_per_token)
 }
 
-/// The figures of one case that are gated against a baseline.
+/// The figures of one case that are gated against a baseline: dimensionless ratios to the
+/// same-run calibrations (module docs), never tokens/s.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Baseline {
-    pub prefill_tps: f64,
-    pub decode_tps: f64,
-    pub roofline: f64,
+    pub prefill_ratio: f64,
+    pub decode_ratio: f64,
 }
 
 /// `ci/baselines.json`: case name → figures. Sorted by name so reviews see small diffs.
@@ -210,25 +219,22 @@ impl Baselines {
         self.0.get(case)
     }
 
-    /// Gates `prefill_tps` and `decode_tps`: each fails when the measured figure is below
-    /// `baseline × (1 − margin)`. With no baseline for `case` every gate passes and says so.
-    ///
-    /// The roofline fraction is recorded but not gated: its denominator is the bandwidth measured
-    /// in the same run, which on a shared 2-core VM read 8.0 and 10.4 GB/s in two runs an hour
-    /// apart, so a lower fraction can mean a faster memory reading rather than a slower engine
-    /// (seen in CI: decode 37.3 tok/s against a baseline of 34.8, roofline −33%).
+    /// Gates `prefill_ratio` and `decode_ratio`: each fails when the measured ratio is below
+    /// `baseline × (1 − margin)`. With no baseline for `case` each gate is "not judged".
     pub fn gates(&self, case: &str, measured: &Baseline, margin: f64) -> Vec<GateResult> {
-        let figures: [(&'static str, f64, Option<f64>); 2] = {
-            let b = self.get(case);
-            [
-                (
-                    "prefill_tps",
-                    measured.prefill_tps,
-                    b.map(|b| b.prefill_tps),
-                ),
-                ("decode_tps", measured.decode_tps, b.map(|b| b.decode_tps)),
-            ]
-        };
+        let b = self.get(case);
+        let figures: [(&'static str, f64, Option<f64>); 2] = [
+            (
+                "prefill_ratio",
+                measured.prefill_ratio,
+                b.map(|b| b.prefill_ratio),
+            ),
+            (
+                "decode_ratio",
+                measured.decode_ratio,
+                b.map(|b| b.decode_ratio),
+            ),
+        ];
         figures
             .into_iter()
             .map(|(gate, value, base)| match base {
@@ -251,16 +257,81 @@ impl Baselines {
                         ),
                     )
                 }
-                None => GateResult {
+                None => GateResult::not_judged(
                     gate,
-                    passed: true,
                     value,
-                    threshold: f64::NAN,
-                    detail: "no baseline recorded (not gated); record one with --update-baselines"
-                        .into(),
-                },
+                    format!("no baseline for this case in {BASELINES_PATH}; record one with --update-baselines"),
+                ),
             })
             .collect()
+    }
+}
+
+/// An f32 multiply-add rate measurement.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Compute {
+    /// Multiply-adds per second, all threads together.
+    pub fma_per_s: f64,
+    pub threads: usize,
+}
+
+/// Multiply-adds each thread does per measurement: ~0.1 s on one 2020s core, so that timer and
+/// thread start-up are noise.
+pub const DEFAULT_COMPUTE_FMAS: usize = 1 << 28;
+
+/// The f32 multiply-add rate of `threads` threads, each running `fmas_per_thread` multiply-adds
+/// on 16 independent accumulators (enough to fill the FMA pipes once the compiler vectorizes it)
+/// over a 4 KiB, L1-resident vector: compute-bound, like a prefill's matrix products.
+pub fn measure_compute_with(fmas_per_thread: usize, threads: usize) -> Result<Compute> {
+    if threads == 0 || fmas_per_thread < 1024 {
+        return Err(HarnessError::Parameter {
+            name: "fmas_per_thread/threads",
+            why: format!(
+                "expected at least 1024 multiply-adds and 1 thread, found {fmas_per_thread} and {threads}"
+            ),
+        });
+    }
+    let x: Vec<f32> = (0..1024).map(|i| 1.0 + (i as f32) * 1e-6).collect();
+    let rounds = fmas_per_thread / x.len();
+    let start = Instant::now();
+    let total = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..threads)
+            .map(|_| s.spawn(|| fma_rounds(&x, rounds)))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or(0.0))
+            .sum::<f32>()
+    });
+    std::hint::black_box(total);
+    let secs = start.elapsed().as_secs_f64().max(1e-9);
+    Ok(Compute {
+        fma_per_s: (rounds * x.len() * threads) as f64 / secs,
+        threads,
+    })
+}
+
+fn fma_rounds(x: &[f32], rounds: usize) -> f32 {
+    let mut acc = [0f32; 16];
+    let w = std::hint::black_box(0.999_999f32);
+    for _ in 0..rounds {
+        for c in x.chunks_exact(16) {
+            for k in 0..16 {
+                acc[k] = acc[k].mul_add(w, c[k]);
+            }
+        }
+    }
+    acc.iter().sum()
+}
+
+/// Tokens/s a figure is divided by: what the calibration says the machine could do at most.
+/// `decode`: bandwidth ÷ weight bytes; `prefill`: FMA/s ÷ (2 × weight elements) — one multiply-add
+/// per weight per token, counted as two operations as matrix-product FLOPs are.
+pub fn ratio(tokens_per_s: f64, calibration_tokens_per_s: f64) -> f64 {
+    if calibration_tokens_per_s > 0.0 {
+        tokens_per_s / calibration_tokens_per_s
+    } else {
+        f64::NAN
     }
 }
 
@@ -306,32 +377,48 @@ mod tests {
         assert!(measure_memory_bandwidth_with(1 << 10, 0, 1).is_err());
     }
 
-    fn fig(prefill_tps: f64, decode_tps: f64, roofline: f64) -> Baseline {
+    fn fig(prefill_ratio: f64, decode_ratio: f64) -> Baseline {
         Baseline {
-            prefill_tps,
-            decode_tps,
-            roofline,
+            prefill_ratio,
+            decode_ratio,
         }
     }
 
     #[test]
     fn gates_against_baseline_with_margin() {
         let mut b = Baselines::default();
-        b.update("c", fig(100.0, 20.0, 0.5));
-        // prefill −20% passes, decode −30% fails; roofline (−60%) is recorded, not gated.
-        let g = b.gates("c", &fig(80.0, 14.0, 0.2), DEFAULT_NOISE_MARGIN);
+        b.update("c", fig(0.1, 0.8));
+        // prefill −20% passes, decode −30% fails.
+        let g = b.gates("c", &fig(0.08, 0.56), DEFAULT_NOISE_MARGIN);
         let verdicts: Vec<(&str, bool)> = g.iter().map(|g| (g.gate, g.passed)).collect();
-        assert_eq!(verdicts, [("prefill_tps", true), ("decode_tps", false)]);
-        assert_eq!(g[1].threshold, 15.0);
-        assert_eq!(g[1].detail, "baseline 20.0, -30.0% (fails below −25%)");
+        assert_eq!(verdicts, [("prefill_ratio", true), ("decode_ratio", false)]);
+        assert!((g[1].threshold - 0.6).abs() < 1e-12);
+        assert_eq!(g[1].detail, "baseline 0.800, -30.0% (fails below −25%)");
     }
 
     #[test]
-    fn missing_baseline_is_reported_not_failed() {
-        let g = Baselines::default().gates("new/case", &fig(1.0, 1.0, 0.1), DEFAULT_NOISE_MARGIN);
-        assert!(g
-            .iter()
-            .all(|g| g.passed && g.detail.starts_with("no baseline")));
+    fn missing_baseline_is_not_judged_not_passed() {
+        let g = Baselines::default().gates("new/case", &fig(0.1, 0.5), DEFAULT_NOISE_MARGIN);
+        assert!(g.iter().all(|g| !g.judged
+            && g.label() == "NOT JUDGED"
+            && g.detail.starts_with("no baseline")));
+    }
+
+    #[test]
+    fn old_tokens_per_second_baselines_are_refused() {
+        let old = r#"{"c": {"prefill_tps": 127.6, "decode_tps": 34.8, "roofline": 0.83}}"#;
+        assert!(serde_json::from_str::<Baselines>(old).is_err());
+    }
+
+    #[test]
+    fn compute_measurement_is_positive() {
+        let c = match measure_compute_with(1 << 16, 2) {
+            Ok(c) => c,
+            Err(e) => panic!("{e}"),
+        };
+        assert!(c.fma_per_s.is_finite() && c.fma_per_s > 0.0);
+        assert!(measure_compute_with(10, 1).is_err());
+        assert!(ratio(5.0, 10.0) == 0.5 && ratio(5.0, 0.0).is_nan());
     }
 
     #[test]
@@ -343,8 +430,8 @@ mod tests {
         let path = dir.path().join("ci/baselines.json");
         assert_eq!(Baselines::load(&path).ok(), Some(Baselines::default()));
         let mut b = Baselines::default();
-        assert_eq!(b.update("z/case", fig(10.0, 2.0, 0.25)), None);
-        b.update("a/case", fig(30.0, 3.0, 0.5));
+        assert_eq!(b.update("z/case", fig(0.1, 0.25)), None);
+        b.update("a/case", fig(0.3, 0.5));
         assert!(b.save(&path).is_ok());
         let text = std::fs::read_to_string(&path).unwrap_or_default();
         assert!(text.find("a/case") < text.find("z/case"), "{text}");

@@ -41,6 +41,32 @@
 //! with f16/TF32 inputs and kernels use fast intrinsics (`__expf`, ~2 ulp); SIMD CPU backends
 //! only reorder sums and share the scalar bound.
 //!
+//! # Exact numerics (layer-isolated)
+//!
+//! In [`Numerics::ExactIsolated`] the reference rounds every matrix product's activations as
+//! ggml does (`reference::Precision::Exact`), and each engine layer runs on the reference's input
+//! to that layer. Both sides then compute the same numbers up to f32 rounding, and the bound
+//! is derived from the three ways they can still differ, with no growth with depth (each layer
+//! starts from the same input) and no MoE allowance (the router sees the same input):
+//!
+//! 1. **f32 rounding in another order** — a norm's sum, an rsqrt, a transcendental's last ulp,
+//!    a dot product summed in another order: about 8u of relative error per element, u = 2⁻²⁴,
+//!    NMSE (8u)² = 2.3e-13, taken as `exact_rounding_nmse` = 1e-12. (Measured on Gemma 3 270M:
+//!    attn_norm 4e-15–8e-15, q/k/v at layers 1–17 1e-13.)
+//! 2. **Rounding flips** — where an activation sits (almost) exactly between two levels, the
+//!    last ulp decides, and the two sides may round it one quantum apart. A fraction f of the
+//!    activations flipping costs NMSE f·(quantum/RMS)²: f = [`EXACT_FLIP_FRACTION`] = 1e-3 and
+//!    quantum κ/127 (Q8_0/Q8_K, κ = [`Q8_CREST_FACTOR`]) give 9.9e-7 per rounding stage; f16 and
+//!    bf16 activations have a relative quantum of 2⁻¹⁰ and 2⁻⁷; f32 weights round nothing.
+//! 3. **Propagation** — a stage's input error carried on with gain [`EXACT_STAGE_GAIN`] = 3.
+//!
+//! Along one layer (stage = `e → 3e + flip + 1e-12`): q/k/v one stage after the norm; attn
+//! twice q/k's error; attn_out one stage after attn; ffn_norm as attn_out; router and gate/up one
+//! more stage; ffn_out and out one more (down). Times `exact_headroom` = 4. On the quantized
+//! real model that is q/k/v 4.0e-6, attn 7.9e-6, attn_out 2.8e-5, router 8.7e-5, ffn_out 2.7e-4
+//! at every layer — against the growing full-precision bound's 3.3e-4 … 2e-2 (capped from layer
+//! 7 of 18) and its MoE blanket of 0.1.
+//!
 //! Cosine similarity has a floor of `1 − nmse_max` (never below 0.9): for an uncorrelated error of
 //! NMSE ε at matched scale the cosine is 1/√(1+ε) ≥ 1 − ε/2, so the floor has 2× margin over what
 //! the NMSE bound already admits; it is a scale-free second view, not a second tolerance.
@@ -58,6 +84,17 @@ pub const ELEMENTWISE_NMSE: f64 = 1e-7;
 pub const GGML_MUL_MAT_NMSE: f64 = 5e-4;
 /// Assumed crest factor amax/RMS of a Q8 activation block (Gaussian: 2.5–3.3; see module docs).
 pub const Q8_CREST_FACTOR: f64 = 4.0;
+/// Exact numerics: the fraction of one stage's activations allowed to round to the neighbouring
+/// level. Ties at exactly half a quantum are what makes them frequent: Gemma 3's layer 0 reads a
+/// Q8_0 embedding, so its normed activations are few distinct multiples and many land on a tie
+/// that one ulp decides (measured: q/k/v NMSE 0.9e-7–2.1e-7 at layer 0, ~1e-13 at layers 1–17).
+/// 1e-3 (one activation in a thousand) gives a per-stage flip NMSE of 1e-3·(κ/127)² = 9.9e-7,
+/// about 5× the worst layer-0 measurement before headroom.
+pub const EXACT_FLIP_FRACTION: f64 = 1e-3;
+/// Exact numerics: how much a stage's input error can grow through the product and the
+/// element-wise work after it (a norm, GELU·up). Measured on Gemma 3 layer 0: attn → attn_out
+/// 2.4×, ffn_norm → ffn_out 2.5×; 3 leaves room above both.
+pub const EXACT_STAGE_GAIN: f64 = 3.0;
 /// Where the per-stage error enters in each layer: QKV, attention scores, attention sum, output
 /// proj, gate/up, down.
 pub const STAGES_PER_LAYER: usize = 6;
@@ -98,6 +135,19 @@ impl WeightClass {
     }
 }
 
+/// Which reference, and which engine run, a tap comparison is between.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Numerics {
+    /// Reference in f32 without activation quantization, engine end to end: the difference is
+    /// what quantizing activations costs, bounded by the growing per-stage policy.
+    #[default]
+    FullPrecision,
+    /// Exact-numerics reference, each engine layer run on the reference's input to that layer:
+    /// every layer's error is its own; flat bounds ([`TolerancePolicy::exact_tolerance`]).
+    ExactIsolated,
+}
+
 /// What the comparison needs to know about the case.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct CaseContext {
@@ -105,6 +155,8 @@ pub struct CaseContext {
     pub weights: String,
     pub weight_class: WeightClass,
     pub backend: Backend,
+    #[serde(default)]
+    pub numerics: Numerics,
 }
 
 impl CaseContext {
@@ -113,7 +165,16 @@ impl CaseContext {
             weights: weights.to_owned(),
             weight_class: WeightClass::parse(weights)?,
             backend: backend.parse()?,
+            numerics: Numerics::FullPrecision,
         })
+    }
+
+    /// The same case compared in another [`Numerics`] mode.
+    pub fn with_numerics(&self, numerics: Numerics) -> CaseContext {
+        CaseContext {
+            numerics,
+            ..self.clone()
+        }
     }
 }
 
@@ -145,6 +206,11 @@ pub struct TolerancePolicy {
     pub cosine_floor: f64,
     /// NMSE admitted from a mixture-of-experts layer's output onward (see [`Self::after_moe`]).
     pub moe_route_flip_nmse: f64,
+    /// Exact numerics: NMSE of f32 work done in another order (see "Exact numerics" in the
+    /// module docs).
+    pub exact_rounding_nmse: f64,
+    /// Exact numerics: headroom over the derived chain (the flip model is an expectation).
+    pub exact_headroom: f64,
 }
 
 /// NMSE of a dot product whose activations are rounded to a float type with unit roundoff `u`.
@@ -183,6 +249,13 @@ impl Default for TolerancePolicy {
             // ties); 0.1 leaves 2x headroom. Wrong routing for every token (a real bug) costs
             // NMSE of order 1, and a NaN fails on parity whatever the bound.
             moe_route_flip_nmse: 0.1,
+            // (8u)² with u = 2⁻²⁴, rounded up: eight roundings' worth of relative error per
+            // element (a norm's sum, its rsqrt, a transcendental's last ulps, another summation
+            // order) — NMSE 2.3e-13, taken as 1e-12.
+            exact_rounding_nmse: 1e-12,
+            // The chain below is the expected flip error, not a bound on every draw: 4×, as for
+            // the full-precision per-stage estimates.
+            exact_headroom: 4.0,
         }
     }
 }
@@ -221,6 +294,61 @@ impl TolerancePolicy {
         matmul.max(self.elementwise_nmse) * backend
     }
 
+    /// NMSE of one rounding stage's flips in exact numerics: a fraction [`EXACT_FLIP_FRACTION`]
+    /// of the activations rounded to the neighbouring level, each off by one quantum (module
+    /// docs, "Exact numerics"), for the case's weight class.
+    pub fn exact_flip_nmse(&self, ctx: &CaseContext) -> f64 {
+        let quantum = match ctx.weight_class {
+            // no rounding of activations at all
+            WeightClass::F32 => 0.0,
+            // one ulp of the rounded type, relative to the value: f16 2⁻¹⁰, bf16 2⁻⁷
+            WeightClass::F16 => 2f64.powi(-10),
+            WeightClass::Bf16 => 2f64.powi(-7),
+            // d = amax/127 = κ·RMS/127 at κ = Q8_CREST_FACTOR
+            WeightClass::Quantized => Q8_CREST_FACTOR / 127.0,
+        };
+        EXACT_FLIP_FRACTION * quantum * quantum
+    }
+
+    /// The flat bound of a tap in exact-numerics, layer-isolated comparison: the same at every
+    /// layer, no MoE allowance (module docs, "Exact numerics").
+    pub fn exact_tolerance(&self, kind: TapKind, ctx: &CaseContext) -> Tolerance {
+        let floor = self.exact_rounding_nmse;
+        let flip = self.exact_flip_nmse(ctx);
+        // A rounding stage: the input's error carried through with gain EXACT_STAGE_GAIN, plus
+        // its own flips and f32 rounding.
+        let q = |e: f64| EXACT_STAGE_GAIN * e + flip + floor;
+        let norm = floor;
+        let qkv = q(norm);
+        // The scores see q's and k's errors: two stages, as in the full-precision policy.
+        let attn = 2.0 * qkv + floor;
+        let attn_out = q(attn);
+        let ffn_norm = attn_out + floor;
+        let gate_up = q(ffn_norm);
+        let ffn_out = q(gate_up);
+        let raw = match kind {
+            TapKind::Embed | TapKind::AttnNorm | TapKind::OutputNorm => norm,
+            TapKind::Q | TapKind::K | TapKind::V => qkv,
+            TapKind::Attn => attn,
+            TapKind::AttnOut => attn_out,
+            TapKind::FfnNorm => ffn_norm,
+            TapKind::Router => gate_up,
+            TapKind::FfnOut | TapKind::Out => ffn_out,
+            // The head rounds output_norm once.
+            TapKind::Logits => q(norm),
+        };
+        let backend = if ctx.backend.is_cuda() {
+            self.cuda_factor
+        } else {
+            1.0
+        };
+        let nmse_max = raw * backend * self.exact_headroom;
+        Tolerance {
+            nmse_max,
+            cosine_min: (1.0 - nmse_max).max(self.cosine_floor),
+        }
+    }
+
     /// The tolerance of one tap. `layer` is the tap's layer (`None` for embed, output_norm and
     /// logits); `n_layers` is the model's layer count (depth of output_norm and logits).
     pub fn tolerance(
@@ -230,6 +358,9 @@ impl TolerancePolicy {
         n_layers: usize,
         ctx: &CaseContext,
     ) -> Tolerance {
+        if ctx.numerics == Numerics::ExactIsolated {
+            return self.exact_tolerance(kind, ctx);
+        }
         let s = stages(kind, layer, n_layers);
         let depth = match kind {
             TapKind::OutputNorm | TapKind::Logits => n_layers,
@@ -408,6 +539,31 @@ mod tests {
         assert!(logits.is_some_and(|r| r.first == r.last));
         let q = rows.iter().find(|r| r.kind == TapKind::Q);
         assert!(q.is_some_and(|r| r.first.nmse_max < r.last.nmse_max));
+    }
+
+    #[test]
+    fn exact_isolated_bounds_are_flat_tight_and_as_documented() {
+        let p = TolerancePolicy::default();
+        let c = ctx("q4_k_m", "cpu-avx512").with_numerics(Numerics::ExactIsolated);
+        let full = ctx("q4_k_m", "cpu-avx512");
+        for (kind, documented) in [
+            (TapKind::Q, 3.97e-6),
+            (TapKind::Attn, 7.94e-6),
+            (TapKind::AttnOut, 2.78e-5),
+            (TapKind::Router, 8.73e-5),
+            (TapKind::FfnOut, 2.66e-4),
+        ] {
+            let at0 = p.tolerance(kind, Some(0), 18, &c).nmse_max;
+            let at17 = p.tolerance(kind, Some(17), 18, &c).nmse_max;
+            assert_eq!(at0, at17, "{kind}: flat");
+            assert!((at0 / documented - 1.0).abs() < 0.01, "{kind}: {at0}");
+            // Tighter than the full-precision bound at layer 0, far tighter at the last layer.
+            assert!(at0 < p.tolerance(kind, Some(0), 18, &full).nmse_max, "{kind}");
+            assert!(at17 * 50.0 < p.tolerance(kind, Some(17), 18, &full).nmse_max, "{kind}");
+        }
+        // f32 weights round nothing: only f32 rounding is left.
+        let f32c = ctx("f32", "cpu-avx2").with_numerics(Numerics::ExactIsolated);
+        assert!(p.tolerance(TapKind::FfnOut, Some(3), 18, &f32c).nmse_max < 2e-9);
     }
 
     #[test]

@@ -17,6 +17,7 @@ use candle_core::{DType, Device, Tensor};
 
 use crate::dequant::ExtraType;
 use crate::error::ReferenceError;
+use crate::numerics::ActQuant;
 
 /// Where one tensor's data is and how to decode it.
 enum Entry {
@@ -105,6 +106,15 @@ impl GgufFile {
         self.tensors.get(name).map(|entry| match entry {
             Entry::Candle(info) => info.shape.dims().to_vec(),
             Entry::Extra { dims, .. } => dims.clone(),
+        })
+    }
+
+    /// How a matrix product with tensor `name` reads its activations (ggml's `vec_dot_type` of
+    /// the tensor's type); `None` when there is no such tensor.
+    pub fn act_quant(&self, name: &str) -> Option<ActQuant> {
+        self.tensors.get(name).map(|entry| match entry {
+            Entry::Candle(info) => ActQuant::for_candle(info.ggml_dtype),
+            Entry::Extra { kind, .. } => ActQuant::for_extra(*kind),
         })
     }
 

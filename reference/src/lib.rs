@@ -20,13 +20,16 @@ mod arch;
 pub mod dequant;
 mod error;
 mod gguf;
+pub mod numerics;
 mod ops;
+pub mod tokenizer;
 
 use std::path::Path;
 
 use candle_core::DType;
 
 pub use error::ReferenceError;
+pub use tokenizer::Tokenizer;
 
 use arch::{deepseek2::Deepseek2, gemma3::Gemma3, llama::Llama, Loader};
 
@@ -40,12 +43,16 @@ pub enum Precision {
     #[default]
     F32,
     F64,
+    /// f32, with the activations of every matrix product rounded to the form ggml's dot product
+    /// for that weight type reads (Q8_0, Q8_1, Q8_K, F16, BF16), as the engine does: the two sides
+    /// then agree to f32 summation-order error ([`numerics`] explains what is reproduced).
+    Exact,
 }
 
 impl Precision {
     fn dtype(self) -> DType {
         match self {
-            Self::F32 => DType::F32,
+            Self::F32 | Self::Exact => DType::F32,
             Self::F64 => DType::F64,
         }
     }
@@ -64,6 +71,8 @@ pub struct ReferenceModel {
     pieces: Vec<String>,
     bos_token_id: Option<u32>,
     add_bos: bool,
+    /// The tokenizer, or why this file has none the reference can use.
+    tokenizer: Result<Tokenizer, String>,
     arch: Arch,
 }
 
@@ -96,10 +105,16 @@ impl ReferenceModel {
             ),
         };
         let add_bos = file.get_bool_or("tokenizer.ggml.add_bos_token", false)?;
+        let tokenizer = match Tokenizer::from_gguf(&file) {
+            Ok(Some(t)) => Ok(t),
+            Ok(None) => Err("the file has no vocabulary (tokenizer.ggml.tokens)".to_string()),
+            Err(e) => Err(e.to_string()),
+        };
         let mut ld = Loader {
             file: &mut file,
             dtype: precision.dtype(),
             prefix: format!("{architecture}."),
+            exact: precision == Precision::Exact,
         };
         let arch = match architecture.as_str() {
             "llama" => Arch::Llama(Llama::load(&mut ld)?),
@@ -113,6 +128,7 @@ impl ReferenceModel {
             pieces,
             bos_token_id,
             add_bos,
+            tokenizer,
             arch,
         };
         if !model.pieces.is_empty() && model.pieces.len() != model.vocab_size() {
@@ -170,6 +186,14 @@ impl ReferenceModel {
     /// `false` when the key is absent).
     pub fn add_bos(&self) -> bool {
         self.add_bos
+    }
+
+    /// The reference's own SentencePiece tokenizer ([`tokenizer`]), built from this file's
+    /// vocabulary; an error when the file has none or its model is not SentencePiece.
+    pub fn tokenizer(&self) -> Result<&Tokenizer, ReferenceError> {
+        self.tokenizer
+            .as_ref()
+            .map_err(|why| ReferenceError::Unsupported(why.clone()))
     }
 
     /// Logits for every position, `[n_tokens × vocab]` row-major, emitting every tap of

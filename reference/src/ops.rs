@@ -6,6 +6,7 @@
 use candle_core::{DType, Device, Tensor, D};
 
 use crate::error::ReferenceError;
+use crate::numerics::ActQuant;
 
 pub(crate) type Result<T> = std::result::Result<T, ReferenceError>;
 
@@ -21,9 +22,31 @@ pub(crate) fn tap(taps: Taps<'_>, name: &str, t: &Tensor) -> Result<()> {
     Ok(())
 }
 
-/// `x · Wᵀ` for `x: [n, in]`, `w: [out, in]`.
-pub(crate) fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    Ok(x.matmul(&w.t()?)?)
+/// A matrix-product weight: the dequantized tensor, and how the activations it multiplies are
+/// rounded first ([`ActQuant::None`] except in exact-numerics mode, see [`crate::numerics`]).
+#[derive(Debug, Clone)]
+pub(crate) struct Weight {
+    pub w: Tensor,
+    pub act: ActQuant,
+}
+
+impl Weight {
+    /// Slice `i` of the outermost dimension (one expert, one head), same activation rounding.
+    pub fn get(&self, i: usize) -> Result<Weight> {
+        Ok(Weight {
+            w: self.w.get(i)?,
+            act: self.act,
+        })
+    }
+
+    pub fn dims(&self) -> &[usize] {
+        self.w.dims()
+    }
+}
+
+/// `x · Wᵀ` for `x: [n, in]`, `w: [out, in]`, with `x` first rounded as `w`'s dot product reads it.
+pub(crate) fn linear(x: &Tensor, w: &Weight) -> Result<Tensor> {
+    Ok(w.act.apply(x)?.matmul(&w.w.t()?)?)
 }
 
 /// RMSNorm over the last dimension: `x / sqrt(mean(x²) + eps) · w`.
@@ -170,9 +193,9 @@ pub(crate) fn attention(
 /// Gated FFN `down(act(gate(x)) ⊙ up(x))` (llama.cpp's `LLM_FFN_PAR`).
 pub(crate) fn gated_ffn(
     x: &Tensor,
-    gate: &Tensor,
-    up: &Tensor,
-    down: &Tensor,
+    gate: &Weight,
+    up: &Weight,
+    down: &Weight,
     act: Activation,
 ) -> Result<Tensor> {
     let g = linear(x, gate)?;

@@ -224,6 +224,19 @@ fn matmul<B: Backend>(
     Ok(out)
 }
 
+/// The residual stream an observer handed back ([`crate::taps::TapObserver::replace`]), checked
+/// to be `len` values.
+fn replaced<B: Backend>(be: &B, r: &[f32], len: usize) -> Result<B::Buf, RuntimeError> {
+    if r.len() != len {
+        return Err(RuntimeError::Shape {
+            op: "replaced residual stream",
+            expected: len,
+            found: r.len(),
+        });
+    }
+    be.upload(r)
+}
+
 fn missing(op: &'static str) -> RuntimeError {
     RuntimeError::Shape {
         op,
@@ -334,6 +347,9 @@ fn forward_hidden_on<B: Backend>(
         be.scale(&mut x, s)?;
     }
     tap(be, taps, || "embed".into(), n, d, &x)?;
+    if let Some(r) = taps.replacement(|| "embed".into()) {
+        x = replaced(be, r, n * d)?;
+    }
 
     let mut h = be.alloc(n * d)?;
     for (il, layer) in w.layers.iter().enumerate() {
@@ -386,6 +402,9 @@ fn forward_hidden_on<B: Backend>(
         tap(be, taps, || blk(il, "ffn_out"), n, d, &f)?;
         be.add(&mut x, &f)?;
         tap(be, taps, || blk(il, "out"), n, d, &x)?;
+        if let Some(r) = taps.replacement(|| blk(il, "out")) {
+            x = replaced(be, r, n * d)?;
+        }
     }
     Ok(x)
 }

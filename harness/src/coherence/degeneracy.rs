@@ -161,6 +161,7 @@ pub fn detect_degeneracy(
             value: coverage,
             threshold: p.min_loop_coverage,
             detail,
+            judged: true,
         }
     };
 

@@ -262,6 +262,7 @@ impl LogitStats {
                     fmt_sig(self.ppl_reference),
                     fmt_sig(th.ppl_ratio_tolerance)
                 ),
+                judged: true,
             },
         ]
     }

@@ -68,7 +68,7 @@ pub fn markdown(report: &Report) -> String {
                     m,
                     "| {} | {} | {} | {} | {} |",
                     g.gate,
-                    if g.passed { "pass" } else { "FAIL" },
+                    g.label(),
                     fmt_sig(g.value),
                     fmt_sig(g.threshold),
                     cell(&g.detail)

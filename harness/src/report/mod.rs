@@ -76,6 +76,29 @@ pub struct CaseResult {
     /// The tolerance policy as applied to this case (empty when no taps were compared).
     pub tolerances: Vec<ThresholdRow>,
     pub duration_s: Option<f64>,
+    /// Which comparison `first_divergence` comes from (e.g. `layer-isolated, exact numerics`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub divergence_mode: Option<String>,
+    /// Every comparison of the case, tap by tap (NMSE, its bound, pass), by comparison name.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub comparisons: Vec<ComparisonSeries>,
+}
+
+/// One comparison of a case, every tap's NMSE and bound, for the report and for review.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ComparisonSeries {
+    pub name: String,
+    pub taps: Vec<TapPoint>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TapPoint {
+    pub tap: String,
+    #[serde(with = "crate::float")]
+    pub nmse: f64,
+    #[serde(with = "crate::float")]
+    pub nmse_max: f64,
+    pub passed: bool,
 }
 
 impl CaseResult {
@@ -89,6 +112,8 @@ impl CaseResult {
             layer_series: Vec::new(),
             tolerances: Vec::new(),
             duration_s: None,
+            divergence_mode: None,
+            comparisons: Vec::new(),
         }
     }
 
@@ -143,6 +168,32 @@ impl CaseResult {
         self
     }
 
+    /// Name the comparison the first divergence comes from (shown with the finding).
+    pub fn with_divergence_mode(mut self, mode: &str) -> CaseResult {
+        if self.first_divergence.is_some() {
+            self.divergence_mode = Some(mode.to_owned());
+        }
+        self
+    }
+
+    /// Keep a comparison's per-tap NMSE and bounds under `name`.
+    pub fn with_comparison_series(mut self, name: &str, c: &Comparison) -> CaseResult {
+        self.comparisons.push(ComparisonSeries {
+            name: name.to_owned(),
+            taps: c
+                .taps
+                .iter()
+                .map(|t| TapPoint {
+                    tap: t.tap.clone(),
+                    nmse: t.metrics.nmse,
+                    nmse_max: t.tolerance.nmse_max,
+                    passed: t.passed(),
+                })
+                .collect(),
+        });
+        self
+    }
+
     pub fn with_duration(mut self, seconds: f64) -> CaseResult {
         self.duration_s = Some(seconds);
         self
@@ -151,8 +202,23 @@ impl CaseResult {
     /// What the console and JUnit show as the reason: the finding, skip reason or error.
     pub fn headline(&self) -> String {
         match &self.verdict {
-            Verdict::Passed => String::new(),
-            Verdict::Failed { finding } => finding.clone(),
+            Verdict::Passed => {
+                let open: Vec<String> = self
+                    .gates
+                    .iter()
+                    .filter(|g| !g.judged)
+                    .map(|g| format!("{} ({})", g.gate, g.detail))
+                    .collect();
+                if open.is_empty() {
+                    String::new()
+                } else {
+                    format!("not judged: {}", open.join(", "))
+                }
+            }
+            Verdict::Failed { finding } => match (&self.divergence_mode, &self.first_divergence) {
+                (Some(mode), Some(_)) => format!("{finding} [{mode}]"),
+                _ => finding.clone(),
+            },
             Verdict::Skipped { reason } => reason.clone(),
             Verdict::Error { message } => message.clone(),
         }
@@ -165,6 +231,8 @@ pub struct Summary {
     pub passed: usize,
     pub failed: usize,
     pub skipped: usize,
+    /// Cases (passed or not) with at least one gate that had nothing to judge against.
+    pub not_judged: usize,
 }
 
 impl std::fmt::Display for Summary {
@@ -173,7 +241,11 @@ impl std::fmt::Display for Summary {
             f,
             "{} passed, {} failed, {} skipped",
             self.passed, self.failed, self.skipped
-        )
+        )?;
+        if self.not_judged > 0 {
+            write!(f, " ({} with gates not judged)", self.not_judged)?;
+        }
+        Ok(())
     }
 }
 
@@ -208,8 +280,10 @@ impl Report {
             passed: 0,
             failed: 0,
             skipped: 0,
+            not_judged: 0,
         };
         for c in &self.cases {
+            s.not_judged += usize::from(c.gates.iter().any(|g| !g.judged));
             match c.verdict {
                 Verdict::Passed => s.passed += 1,
                 Verdict::Failed { .. } | Verdict::Error { .. } => s.failed += 1,

@@ -148,6 +148,30 @@ fn verdicts_and_summary() {
 }
 
 #[test]
+fn a_gate_not_judged_is_shown_and_counted_not_passed_silently() {
+    let mut r = Report::default();
+    r.push(CaseResult::judged(
+        "m/q8_0/cpu-avx2/tp1-shm/off",
+        None,
+        vec![
+            GateResult::at_most("kld_mean", 0.0, 1.0, String::new()),
+            GateResult::not_judged("decode_ratio", 0.5, "no baseline".into()),
+        ],
+        Vec::new(),
+    ));
+    assert_eq!(r.cases[0].verdict.label(), "PASS");
+    assert_eq!(
+        r.cases[0].headline(),
+        "not judged: decode_ratio (no baseline)"
+    );
+    assert_eq!(
+        r.summary().to_string(),
+        "1 passed, 0 failed, 0 skipped (1 with gates not judged)"
+    );
+    assert!(markdown(&r).contains("| decode_ratio | NOT JUDGED |"));
+}
+
+#[test]
 fn console_table_snapshot() {
     let text = console_table(&synthetic_report());
     assert!(text.lines().any(|l| l == "1 passed, 3 failed, 1 skipped"));
@@ -213,7 +237,7 @@ fn json_has_summary_tagged_verdicts_and_encodes_infinity() {
     };
     assert_eq!(
         v["summary"],
-        serde_json::json!({"passed": 1, "failed": 3, "skipped": 1})
+        serde_json::json!({"passed": 1, "failed": 3, "skipped": 1, "not_judged": 0})
     );
     assert_eq!(
         v["cases"][3]["verdict"],

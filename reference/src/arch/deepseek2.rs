@@ -24,7 +24,7 @@ use super::{embed, embedding_and_head, Loader};
 use crate::error::ReferenceError;
 use crate::ops::{
     attention, causal_mask, gated_ffn, linear, rms_norm, tap, Activation, Result, Rope, RopeLayout,
-    Taps,
+    Taps, Weight,
 };
 
 /// llama.cpp's floor for the sum of selected expert weights before normalizing (the smallest
@@ -32,31 +32,31 @@ use crate::ops::{
 const WEIGHT_SUM_FLOOR: f64 = 6.103_515_625e-5;
 
 enum Query {
-    Direct(Tensor),
-    LowRank { a: Tensor, norm: Tensor, b: Tensor },
+    Direct(Weight),
+    LowRank { a: Weight, norm: Tensor, b: Weight },
 }
 
 enum KvUp {
     /// `attn_kv_b`: `[n_head·(nope + v), kv_lora_rank]`.
-    Fused(Tensor),
+    Fused(Weight),
     /// `attn_k_b` `[n_head, kv_lora_rank, nope]` and `attn_v_b` `[n_head, v, kv_lora_rank]`.
-    Split { k_b: Tensor, v_b: Tensor },
+    Split { k_b: Weight, v_b: Weight },
 }
 
 struct Moe {
-    router: Tensor,
+    router: Weight,
     probs_bias: Option<Tensor>,
-    gate: Tensor,
-    up: Tensor,
-    down: Tensor,
-    shared: Option<(Tensor, Tensor, Tensor)>,
+    gate: Weight,
+    up: Weight,
+    down: Weight,
+    shared: Option<(Weight, Weight, Weight)>,
 }
 
 enum Ffn {
     Dense {
-        gate: Tensor,
-        up: Tensor,
-        down: Tensor,
+        gate: Weight,
+        up: Weight,
+        down: Weight,
     },
     Moe(Moe),
 }
@@ -64,10 +64,10 @@ enum Ffn {
 struct Layer {
     attn_norm: Tensor,
     q: Query,
-    kv_a: Tensor,
+    kv_a: Weight,
     kv_a_norm: Tensor,
     kv_b: KvUp,
-    wo: Tensor,
+    wo: Weight,
     ffn_norm: Tensor,
     ffn: Ffn,
 }
@@ -92,7 +92,7 @@ pub(crate) struct Deepseek2 {
     norm_weights: bool,
     weights_scale: f64,
     embd: Tensor,
-    head: Tensor,
+    head: Weight,
     output_norm: Tensor,
     layers: Vec<Layer>,
 }
@@ -165,55 +165,55 @@ impl Deepseek2 {
         for i in 0..n_layer {
             let b = |s: &str| format!("blk.{i}.{s}.weight");
             let q = if q_lora_rank == 0 {
-                Query::Direct(ld.tensor(&b("attn_q"), &[n_head * key_length, n_embd])?)
+                Query::Direct(ld.weight(&b("attn_q"), &[n_head * key_length, n_embd])?)
             } else {
                 Query::LowRank {
-                    a: ld.tensor(&b("attn_q_a"), &[q_lora_rank, n_embd])?,
+                    a: ld.weight(&b("attn_q_a"), &[q_lora_rank, n_embd])?,
                     norm: ld.tensor(&b("attn_q_a_norm"), &[q_lora_rank])?,
-                    b: ld.tensor(&b("attn_q_b"), &[n_head * key_length, q_lora_rank])?,
+                    b: ld.weight(&b("attn_q_b"), &[n_head * key_length, q_lora_rank])?,
                 }
             };
             let kv_b = if ld.file.has_tensor(&b("attn_kv_b")) {
-                KvUp::Fused(ld.tensor(&b("attn_kv_b"), &[n_head * (nope + v_dim), kv_lora_rank])?)
+                KvUp::Fused(ld.weight(&b("attn_kv_b"), &[n_head * (nope + v_dim), kv_lora_rank])?)
             } else {
                 KvUp::Split {
-                    k_b: ld.tensor(&b("attn_k_b"), &[n_head, kv_lora_rank, nope])?,
-                    v_b: ld.tensor(&b("attn_v_b"), &[n_head, v_dim, kv_lora_rank])?,
+                    k_b: ld.weight(&b("attn_k_b"), &[n_head, kv_lora_rank, nope])?,
+                    v_b: ld.weight(&b("attn_v_b"), &[n_head, v_dim, kv_lora_rank])?,
                 }
             };
             let ffn = if i < n_dense_lead {
                 Ffn::Dense {
-                    gate: ld.tensor(&b("ffn_gate"), &[n_ff, n_embd])?,
-                    up: ld.tensor(&b("ffn_up"), &[n_ff, n_embd])?,
-                    down: ld.tensor(&b("ffn_down"), &[n_embd, n_ff])?,
+                    gate: ld.weight(&b("ffn_gate"), &[n_ff, n_embd])?,
+                    up: ld.weight(&b("ffn_up"), &[n_ff, n_embd])?,
+                    down: ld.weight(&b("ffn_down"), &[n_embd, n_ff])?,
                 }
             } else {
                 let shared = if n_shared > 0 {
                     let w = n_ff_exp * n_shared;
                     Some((
-                        ld.tensor(&b("ffn_gate_shexp"), &[w, n_embd])?,
-                        ld.tensor(&b("ffn_up_shexp"), &[w, n_embd])?,
-                        ld.tensor(&b("ffn_down_shexp"), &[n_embd, w])?,
+                        ld.weight(&b("ffn_gate_shexp"), &[w, n_embd])?,
+                        ld.weight(&b("ffn_up_shexp"), &[w, n_embd])?,
+                        ld.weight(&b("ffn_down_shexp"), &[n_embd, w])?,
                     ))
                 } else {
                     None
                 };
                 Ffn::Moe(Moe {
-                    router: ld.tensor(&b("ffn_gate_inp"), &[n_expert, n_embd])?,
+                    router: ld.weight(&b("ffn_gate_inp"), &[n_expert, n_embd])?,
                     probs_bias: ld.optional(&format!("blk.{i}.exp_probs_b.bias"), &[n_expert])?,
-                    gate: ld.tensor(&b("ffn_gate_exps"), &[n_expert, n_ff_exp, n_embd])?,
-                    up: ld.tensor(&b("ffn_up_exps"), &[n_expert, n_ff_exp, n_embd])?,
-                    down: ld.tensor(&b("ffn_down_exps"), &[n_expert, n_embd, n_ff_exp])?,
+                    gate: ld.weight(&b("ffn_gate_exps"), &[n_expert, n_ff_exp, n_embd])?,
+                    up: ld.weight(&b("ffn_up_exps"), &[n_expert, n_ff_exp, n_embd])?,
+                    down: ld.weight(&b("ffn_down_exps"), &[n_expert, n_embd, n_ff_exp])?,
                     shared,
                 })
             };
             layers.push(Layer {
                 attn_norm: ld.tensor(&b("attn_norm"), &[n_embd])?,
                 q,
-                kv_a: ld.tensor(&b("attn_kv_a_mqa"), &[kv_lora_rank + rope_dim, n_embd])?,
+                kv_a: ld.weight(&b("attn_kv_a_mqa"), &[kv_lora_rank + rope_dim, n_embd])?,
                 kv_a_norm: ld.tensor(&b("attn_kv_a_norm"), &[kv_lora_rank])?,
                 kv_b,
-                wo: ld.tensor(&b("attn_output"), &[n_embd, n_head * v_dim])?,
+                wo: ld.weight(&b("attn_output"), &[n_embd, n_head * v_dim])?,
                 ffn_norm: ld.tensor(&b("ffn_norm"), &[n_embd])?,
                 ffn,
             });
@@ -287,7 +287,7 @@ impl Deepseek2 {
                     let mut ks = Vec::with_capacity(h);
                     let mut vs = Vec::with_capacity(h);
                     for head in 0..h {
-                        ks.push(c.matmul(&k_b.get(head)?)?);
+                        ks.push(k_b.act.apply(&c)?.matmul(&k_b.w.get(head)?)?);
                         vs.push(linear(&c, &v_b.get(head)?)?);
                     }
                     (Tensor::stack(&ks, 1)?, Tensor::stack(&vs, 1)?)

@@ -18,7 +18,7 @@ use super::{embed, embedding_and_head, Loader};
 use crate::error::ReferenceError;
 use crate::ops::{
     attention, causal_mask, gated_ffn, linear, rms_norm, tap, Activation, Result, Rope, RopeLayout,
-    Taps,
+    Taps, Weight,
 };
 
 /// Every sixth layer is global (llama.cpp `set_swa_pattern(6)`).
@@ -26,17 +26,17 @@ const SWA_PATTERN: usize = 6;
 
 struct Layer {
     attn_norm: Tensor,
-    wq: Tensor,
-    wk: Tensor,
-    wv: Tensor,
+    wq: Weight,
+    wk: Weight,
+    wv: Weight,
     q_norm: Tensor,
     k_norm: Tensor,
-    wo: Tensor,
+    wo: Weight,
     post_attn_norm: Tensor,
     ffn_norm: Tensor,
-    gate: Tensor,
-    up: Tensor,
-    down: Tensor,
+    gate: Weight,
+    up: Weight,
+    down: Weight,
     post_ffn_norm: Tensor,
 }
 
@@ -52,7 +52,7 @@ pub(crate) struct Gemma3 {
     rope_local: Rope,
     softcap: Option<f64>,
     embd: Tensor,
-    head: Tensor,
+    head: Weight,
     output_norm: Tensor,
     layers: Vec<Layer>,
 }
@@ -103,17 +103,17 @@ impl Gemma3 {
             let b = |s: &str| format!("blk.{i}.{s}.weight");
             layers.push(Layer {
                 attn_norm: ld.tensor(&b("attn_norm"), &[n_embd])?,
-                wq: ld.tensor(&b("attn_q"), &[n_head * head_dim, n_embd])?,
-                wk: ld.tensor(&b("attn_k"), &[n_head_kv * head_dim, n_embd])?,
-                wv: ld.tensor(&b("attn_v"), &[n_head_kv * head_dim, n_embd])?,
+                wq: ld.weight(&b("attn_q"), &[n_head * head_dim, n_embd])?,
+                wk: ld.weight(&b("attn_k"), &[n_head_kv * head_dim, n_embd])?,
+                wv: ld.weight(&b("attn_v"), &[n_head_kv * head_dim, n_embd])?,
                 q_norm: ld.tensor(&b("attn_q_norm"), &[head_dim])?,
                 k_norm: ld.tensor(&b("attn_k_norm"), &[head_dim])?,
-                wo: ld.tensor(&b("attn_output"), &[n_embd, n_head * head_dim])?,
+                wo: ld.weight(&b("attn_output"), &[n_embd, n_head * head_dim])?,
                 post_attn_norm: ld.tensor(&b("post_attention_norm"), &[n_embd])?,
                 ffn_norm: ld.tensor(&b("ffn_norm"), &[n_embd])?,
-                gate: ld.tensor(&b("ffn_gate"), &[n_ff, n_embd])?,
-                up: ld.tensor(&b("ffn_up"), &[n_ff, n_embd])?,
-                down: ld.tensor(&b("ffn_down"), &[n_embd, n_ff])?,
+                gate: ld.weight(&b("ffn_gate"), &[n_ff, n_embd])?,
+                up: ld.weight(&b("ffn_up"), &[n_ff, n_embd])?,
+                down: ld.weight(&b("ffn_down"), &[n_embd, n_ff])?,
                 post_ffn_norm: ld.tensor(&b("post_ffw_norm"), &[n_embd])?,
             });
         }

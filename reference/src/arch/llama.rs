@@ -9,19 +9,19 @@ use candle_core::Tensor;
 use super::{embed, embedding_and_head, Loader};
 use crate::ops::{
     attention, causal_mask, gated_ffn, linear, rms_norm, tap, Activation, Result, Rope, RopeLayout,
-    Taps,
+    Taps, Weight,
 };
 
 struct Layer {
     attn_norm: Tensor,
-    wq: Tensor,
-    wk: Tensor,
-    wv: Tensor,
-    wo: Tensor,
+    wq: Weight,
+    wk: Weight,
+    wv: Weight,
+    wo: Weight,
     ffn_norm: Tensor,
-    gate: Tensor,
-    up: Tensor,
-    down: Tensor,
+    gate: Weight,
+    up: Weight,
+    down: Weight,
 }
 
 pub(crate) struct Llama {
@@ -32,7 +32,7 @@ pub(crate) struct Llama {
     eps: f64,
     rope: Rope,
     embd: Tensor,
-    head: Tensor,
+    head: Weight,
     output_norm: Tensor,
     layers: Vec<Layer>,
 }
@@ -61,14 +61,14 @@ impl Llama {
             let b = |s: &str| format!("blk.{i}.{s}.weight");
             layers.push(Layer {
                 attn_norm: ld.tensor(&b("attn_norm"), &[n_embd])?,
-                wq: ld.tensor(&b("attn_q"), &[n_head * head_dim_k, n_embd])?,
-                wk: ld.tensor(&b("attn_k"), &[n_head_kv * head_dim_k, n_embd])?,
-                wv: ld.tensor(&b("attn_v"), &[n_head_kv * head_dim_v, n_embd])?,
-                wo: ld.tensor(&b("attn_output"), &[n_embd, n_head * head_dim_v])?,
+                wq: ld.weight(&b("attn_q"), &[n_head * head_dim_k, n_embd])?,
+                wk: ld.weight(&b("attn_k"), &[n_head_kv * head_dim_k, n_embd])?,
+                wv: ld.weight(&b("attn_v"), &[n_head_kv * head_dim_v, n_embd])?,
+                wo: ld.weight(&b("attn_output"), &[n_embd, n_head * head_dim_v])?,
                 ffn_norm: ld.tensor(&b("ffn_norm"), &[n_embd])?,
-                gate: ld.tensor(&b("ffn_gate"), &[n_ff, n_embd])?,
-                up: ld.tensor(&b("ffn_up"), &[n_ff, n_embd])?,
-                down: ld.tensor(&b("ffn_down"), &[n_embd, n_ff])?,
+                gate: ld.weight(&b("ffn_gate"), &[n_ff, n_embd])?,
+                up: ld.weight(&b("ffn_up"), &[n_ff, n_embd])?,
+                down: ld.weight(&b("ffn_down"), &[n_embd, n_ff])?,
             });
         }
         Ok(Self {

@@ -8,7 +8,8 @@ use candle_core::{DType, Tensor};
 
 use crate::error::ReferenceError;
 use crate::gguf::GgufFile;
-use crate::ops::Result;
+use crate::numerics::ActQuant;
+use crate::ops::{Result, Weight};
 
 /// Reads weights from a [`GgufFile`], checking each shape and converting to the compute dtype.
 pub(crate) struct Loader<'a> {
@@ -16,12 +17,25 @@ pub(crate) struct Loader<'a> {
     pub dtype: DType,
     /// The metadata key prefix, `general.architecture` followed by a dot.
     pub prefix: String,
+    /// Exact-numerics mode: matrix-product weights round their activations as ggml does.
+    pub exact: bool,
 }
 
 impl Loader<'_> {
     /// A tensor with the given shape (outermost first, i.e. `[out, in]` for a matrix).
     pub fn tensor(&mut self, name: &str, shape: &[usize]) -> Result<Tensor> {
         self.file.tensor(name, shape, self.dtype)
+    }
+
+    /// A matrix-product weight; in exact-numerics mode it carries its type's activation rounding.
+    pub fn weight(&mut self, name: &str, shape: &[usize]) -> Result<Weight> {
+        let w = self.tensor(name, shape)?;
+        let act = if self.exact {
+            self.file.act_quant(name).unwrap_or(ActQuant::None)
+        } else {
+            ActQuant::None
+        };
+        Ok(Weight { w, act })
     }
 
     /// A tensor that may be absent.
@@ -98,7 +112,7 @@ impl Loader<'_> {
 
 /// The token embedding `[n_vocab, n_embd]` and the output head (`output.weight`, or the
 /// embedding itself when the file ties them).
-pub(crate) fn embedding_and_head(ld: &mut Loader<'_>, n_embd: usize) -> Result<(Tensor, Tensor)> {
+pub(crate) fn embedding_and_head(ld: &mut Loader<'_>, n_embd: usize) -> Result<(Tensor, Weight)> {
     let n_vocab = match ld.file.tensor_shape("token_embd.weight") {
         Some(shape) if shape.len() == 2 => shape[0],
         Some(shape) => {
@@ -114,12 +128,13 @@ pub(crate) fn embedding_and_head(ld: &mut Loader<'_>, n_embd: usize) -> Result<(
             })
         }
     };
-    let embd = ld.tensor("token_embd.weight", &[n_vocab, n_embd])?;
-    let head = match ld.optional("output.weight", &[n_vocab, n_embd])? {
-        Some(head) => head,
-        None => embd.clone(),
+    let embd = ld.weight("token_embd.weight", &[n_vocab, n_embd])?;
+    let head = if ld.file.has_tensor("output.weight") {
+        ld.weight("output.weight", &[n_vocab, n_embd])?
+    } else {
+        embd.clone()
     };
-    Ok((embd, head))
+    Ok((embd.w, head))
 }
 
 /// Look up embedding rows for `tokens`.

@@ -2,19 +2,31 @@
 //! process (a fault is chosen once per process, through `PLUMBLINE_FAULT`), and require that the
 //! run fails **and** names the expected first divergent tap or gate.
 //!
+//! Hygiene:
+//! - The fault hooks exist only in a separate build (xtask feature `fault-injection`, target dir
+//!   `target/faults`, alias `cargo xtask-faults`); the build that tests and benchmarks use has
+//!   none. From the plain build, `--faults` builds that one first and runs it.
+//! - A clean control run (no fault, the same cases, the same fault build) goes first; the suite
+//!   fails if the control fails, since a fault "caught" by a case that fails anyway proves nothing.
+//! - `--fault NAME` picks faults; an unknown name is an error that lists the known ones.
+//! - The table is keyed by [`Fault`]; every fault of [`Fault::ALL`] must have exactly one
+//!   expectation (checked before anything runs, and by a unit test).
+//!
 //! The expected findings are stated here, from where each fault is planted, not read back from the
 //! engine: a fault reported at the wrong place is a harness bug too.
 
+use std::path::PathBuf;
 use std::process::Command;
 
 use anyhow::{bail, Context, Result};
+use engine::faults::Fault;
 use serde_json::Value;
 
 use super::Args;
 
 /// A planted fault, the case that must catch it, and the finding it must produce.
 struct Expectation {
-    fault: &'static str,
+    fault: Fault,
     /// Case-name glob (run on this machine's best CPU backend).
     case: &'static str,
     /// The first divergent tap, or `gate:NAME` for a gate finding.
@@ -24,46 +36,46 @@ struct Expectation {
 const FAULTS: &[Expectation] = &[
     // Queries rotated for position p+1: the first rotated tap is the first divergence.
     Expectation {
-        fault: "rope-position-off-by-one",
+        fault: Fault::RopePositionOffByOne,
         case: "llama/q8_0/*/tp1-shm/off",
         expect: "blk.0.q",
     },
     // The attention residual of layer 0 is dropped: the FFN's norm is the first tap computed from
     // the residual stream after the attention add.
     Expectation {
-        fault: "skip-residual-add",
+        fault: Fault::SkipResidualAdd,
         case: "llama/q8_0/*/tp1-shm/off",
         expect: "blk.0.ffn_norm",
     },
     // The two halves of the query heads swapped, as a TP loader with shards in the wrong order.
     Expectation {
-        fault: "swapped-qk-shards",
+        fault: Fault::SwappedQkShards,
         case: "llama/q8_0/*/tp1-shm/off",
         expect: "blk.0.q",
     },
     // The gemma3 fixture's window is 8 and verify feeds 32 tokens: layer 0 is local, so its
     // attention output is the first tap to see one key too many.
     Expectation {
-        fault: "sliding-window-off-by-one",
+        fault: Fault::SlidingWindowOffByOne,
         case: "gemma3/q4_k_m/*/tp1-shm/off",
         expect: "blk.0.attn",
     },
     // deepseek2 fixture: layer 0 dense, layer 1 is the first MoE layer; its router is computed
     // correctly, the expert mix is not.
     Expectation {
-        fault: "nan-in-expert",
+        fault: Fault::NanInExpert,
         case: "deepseek2/q4_k/*/tp1-shm/off",
         expect: "blk.1.ffn_out",
     },
     Expectation {
-        fault: "wrong-router-top-k",
+        fault: Fault::WrongRouterTopK,
         case: "deepseek2/q4_k/*/tp1-shm/off",
         expect: "blk.1.ffn_out",
     },
     // Every expert computes with its neighbour's weights; the router is right, so the first MoE
     // layer's mix (layer 0 is dense) is the first tap to differ.
     Expectation {
-        fault: "permuted-experts",
+        fault: Fault::PermutedExperts,
         case: "deepseek2/q4_k/*/tp1-shm/off",
         expect: "blk.1.ffn_out",
     },
@@ -71,21 +83,21 @@ const FAULTS: &[Expectation] = &[
     // embedding rows are dequantized by a lookup, not a matmul; attn_q is the first Q4_K matmul of
     // layer 0 (the norm before it has no weights of that type), so `blk.0.q` is the first tap.
     Expectation {
-        fault: "wrong-dequant-scale",
+        fault: Fault::WrongDequantScale,
         case: "llama/q4_k_m/*/tp1-shm/off",
         expect: "blk.0.q",
     },
-    // Both sides get the engine's tokens, so the taps agree; only the `bos` gate, which checks the
-    // fed sequences against the BOS id the reference read from the file, can see it.
+    // Each side tokenizes with its own tokenizer: the engine's ids lack the BOS the reference's
+    // have, and the `tokens` gate (judged before any tap) is the finding.
     Expectation {
-        fault: "tokenizer-drops-bos",
+        fault: Fault::TokenizerDropsBos,
         case: "llama/q8_0/*/tp1-shm/off",
-        expect: "gate:bos",
+        expect: "gate:tokens",
     },
 ];
 
 struct Outcome {
-    fault: &'static str,
+    fault: String,
     case: String,
     detected: bool,
     finding: String,
@@ -98,40 +110,154 @@ impl Outcome {
     }
 }
 
-pub fn run(args: &Args) -> Result<()> {
-    let exe = std::env::current_exe().context("locating the xtask binary")?;
-    let mut outcomes = Vec::new();
-    for e in FAULTS {
-        eprintln!("fault {}: verify --filter '{}'", e.fault, e.case);
-        let out_dir = args.out.join("faults").join(e.fault);
-        let mut cmd = Command::new(&exe);
-        cmd.args([
-            "verify",
-            "--json",
-            "--no-bench",
-            "--filter",
-            e.case,
-            "--exclude",
-            "*/cpu-scalar/*",
-        ])
-        .arg("--out")
-        .arg(&out_dir)
-        .env(engine::faults::ENV_VAR, e.fault);
-        if let Some(t) = args.threads {
-            cmd.args(["--threads", &t.to_string()]);
+/// Every fault of [`Fault::ALL`] has exactly one expectation, and nothing else has one.
+fn check_table() -> Result<()> {
+    for f in Fault::ALL {
+        let n = FAULTS.iter().filter(|e| e.fault == f).count();
+        if n != 1 {
+            bail!(
+                "fault {f} has {n} expectations in xtask/src/verify/faults.rs, expected exactly 1 \
+                 (every fault of engine::faults::Fault::ALL must be checked)"
+            );
         }
-        let output = cmd
-            .output()
-            .with_context(|| format!("running verify with fault {}", e.fault))?;
-        let stdout = String::from_utf8_lossy(&output.stdout);
-        let report: Value = serde_json::from_str(&stdout).with_context(|| {
-            format!(
-                "fault {}: verify printed no JSON report (exit {}); stderr:\n{}",
-                e.fault,
-                output.status,
-                String::from_utf8_lossy(&output.stderr)
-            )
-        })?;
+    }
+    Ok(())
+}
+
+/// The faults `--fault` names (all when none): an unknown name is an error.
+fn selected(names: &[String]) -> Result<Vec<&'static Expectation>> {
+    if names.is_empty() {
+        return Ok(FAULTS.iter().collect());
+    }
+    names
+        .iter()
+        .map(|n| {
+            let f = Fault::from_name(n).with_context(|| {
+                format!(
+                    "--fault {n:?}: no such fault; expected one of {}",
+                    Fault::ALL.map(|f| f.name()).join(", ")
+                )
+            })?;
+            FAULTS
+                .iter()
+                .find(|e| e.fault == f)
+                .with_context(|| format!("fault {f} has no expectation"))
+        })
+        .collect()
+}
+
+/// The xtask binary that has the engine's fault hooks: this one when it was built with them,
+/// otherwise a separate build into `target/faults` (so the plain build never carries them).
+fn fault_build() -> Result<PathBuf> {
+    if cfg!(feature = "fault-injection") {
+        return std::env::current_exe().context("locating the xtask binary");
+    }
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    eprintln!("building the fault-injection xtask (target/faults; the plain build has no hooks)");
+    let status = Command::new(&cargo)
+        .args([
+            "build",
+            "--release",
+            "--package",
+            "xtask",
+            "--features",
+            "fault-injection",
+            "--target-dir",
+            FAULT_TARGET_DIR,
+        ])
+        .status()
+        .context("running cargo build for the fault-injection xtask")?;
+    if !status.success() {
+        bail!("building the fault-injection xtask failed ({status})");
+    }
+    let exe = PathBuf::from(FAULT_TARGET_DIR)
+        .join("release")
+        .join(format!("xtask{}", std::env::consts::EXE_SUFFIX));
+    anyhow::ensure!(
+        exe.is_file(),
+        "the fault-injection build left no binary at {}",
+        exe.display()
+    );
+    Ok(exe)
+}
+
+/// Where the fault-injection build goes (`cargo xtask-faults` uses the same directory).
+const FAULT_TARGET_DIR: &str = "target/faults";
+
+/// One verify run of the fault build over `case` with `fault` active (`None`: the control).
+fn run_one(exe: &PathBuf, args: &Args, case: &str, fault: Option<Fault>) -> Result<Value> {
+    let label = fault.map_or("control".to_owned(), |f| f.name().to_owned());
+    let out_dir = args.out.join("faults").join(&label);
+    let mut cmd = Command::new(exe);
+    cmd.args([
+        "verify",
+        "--json",
+        "--no-bench",
+        "--filter",
+        case,
+        "--exclude",
+        "*/cpu-scalar/*",
+    ])
+    .arg("--out")
+    .arg(&out_dir);
+    match fault {
+        Some(f) => cmd.env(engine::faults::ENV_VAR, f.name()),
+        None => cmd.env_remove(engine::faults::ENV_VAR),
+    };
+    if let Some(t) = args.threads {
+        cmd.args(["--threads", &t.to_string()]);
+    }
+    let output = cmd
+        .output()
+        .with_context(|| format!("running verify ({label})"))?;
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    serde_json::from_str(&stdout).with_context(|| {
+        format!(
+            "{label}: verify printed no JSON report (exit {}); stderr:\n{}",
+            output.status,
+            String::from_utf8_lossy(&output.stderr)
+        )
+    })
+}
+
+pub fn run(args: &Args) -> Result<()> {
+    check_table()?;
+    let chosen = selected(&args.fault)?;
+    let exe = fault_build()?;
+
+    // The clean control: every case the chosen faults use, no fault, must pass.
+    let mut cases: Vec<&str> = chosen.iter().map(|e| e.case).collect();
+    cases.sort_unstable();
+    cases.dedup();
+    let mut control_failures = Vec::new();
+    for case in &cases {
+        eprintln!("control (no fault): verify --filter '{case}'");
+        let report = run_one(&exe, args, case, None)?;
+        let (runnable, failed) = control_verdicts(&report);
+        println!(
+            "control  {case}: {runnable} case(s) run, {}",
+            if failed.is_empty() {
+                "all passed".to_owned()
+            } else {
+                format!("FAILED: {}", failed.join("; "))
+            }
+        );
+        if runnable == 0 {
+            control_failures.push(format!("{case}: no runnable case"));
+        }
+        control_failures.extend(failed);
+    }
+    if !control_failures.is_empty() {
+        bail!(
+            "the clean control run failed, so no fault result would mean anything: {}",
+            control_failures.join("; ")
+        );
+    }
+
+    let mut outcomes = Vec::new();
+    for e in chosen {
+        eprintln!("fault {}: verify --filter '{}'", e.fault, e.case);
+        let report = run_one(&exe, args, e.case, Some(e.fault))?;
         outcomes.push(judge(e, &report));
     }
 
@@ -159,10 +285,10 @@ pub fn run(args: &Args) -> Result<()> {
     let escaped: Vec<_> = outcomes
         .iter()
         .filter(|o| !o.localized())
-        .map(|o| o.fault)
+        .map(|o| o.fault.clone())
         .collect();
     let caught = outcomes.len() - escaped.len();
-    println!("{caught} passed, {} failed", escaped.len());
+    println!("{caught} passed, {} failed (control passed)", escaped.len());
     if !escaped.is_empty() {
         bail!(
             "faults not detected at the expected place: {}",
@@ -170,6 +296,30 @@ pub fn run(args: &Args) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// The control report: how many cases ran, and every one that did not pass.
+fn control_verdicts(report: &Value) -> (usize, Vec<String>) {
+    let mut runnable = 0;
+    let mut failed = Vec::new();
+    for c in report["cases"].as_array().into_iter().flatten() {
+        let status = c["verdict"]["status"].as_str().unwrap_or("?");
+        if status == "skipped" {
+            continue;
+        }
+        runnable += 1;
+        if status != "passed" {
+            let why = c["verdict"]["finding"]
+                .as_str()
+                .or(c["verdict"]["message"].as_str())
+                .unwrap_or("?");
+            failed.push(format!(
+                "{} {status}: {why}",
+                c["case"].as_str().unwrap_or("?")
+            ));
+        }
+    }
+    (runnable, failed)
 }
 
 /// Read the fault run's report: the case must have failed, and its finding is the first divergent
@@ -182,7 +332,7 @@ fn judge(e: &'static Expectation, report: &Value) -> Outcome {
     });
     let Some(case) = case else {
         return Outcome {
-            fault: e.fault,
+            fault: e.fault.name().to_owned(),
             case: "(no runnable case)".into(),
             detected: false,
             finding: "-".into(),
@@ -208,10 +358,39 @@ fn judge(e: &'static Expectation, report: &Value) -> Outcome {
         "-".into()
     };
     Outcome {
-        fault: e.fault,
+        fault: e.fault.name().to_owned(),
         case: name,
         detected,
         finding,
         expect: e.expect,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_engine_fault_has_exactly_one_expectation() {
+        if let Err(e) = check_table() {
+            panic!("{e:#}");
+        }
+    }
+
+    #[test]
+    fn unknown_fault_names_are_errors() {
+        let err = selected(&["rope-positon-off-by-one".to_owned()]).err();
+        let msg = err.map(|e| format!("{e:#}")).unwrap_or_default();
+        assert!(
+            msg.contains("no such fault") && msg.contains("rope-position-off-by-one"),
+            "{msg}"
+        );
+        assert_eq!(selected(&[]).map(|v| v.len()).ok(), Some(Fault::ALL.len()));
+        assert_eq!(
+            selected(&["skip-residual-add".to_owned()])
+                .ok()
+                .map(|v| v.iter().map(|e| e.fault).collect::<Vec<_>>()),
+            Some(vec![Fault::SkipResidualAdd])
+        );
     }
 }

@@ -4,6 +4,7 @@
 //! under `target/verify/`; exits non-zero on any failure.
 
 mod faults;
+mod isolate;
 mod models;
 mod run_case;
 
@@ -13,7 +14,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use harness::cases::{EngineCaps, Filter, MachineCaps, Matrix};
 use harness::report::{CaseResult, Report};
-use harness::throughput::{self, Baselines, BASELINES_PATH};
+use harness::throughput::{Baselines, BASELINES_PATH};
 use harness::tolerance::TolerancePolicy;
 use kernels::cpu::Isa;
 
@@ -31,6 +32,9 @@ pub struct Args {
     /// Run once per injected engine fault and require each to be detected at the right place
     #[arg(long)]
     pub faults: bool,
+    /// With --faults: only this fault (a name of engine::faults::Fault); repeatable
+    #[arg(long, requires = "faults")]
+    pub fault: Vec<String>,
     /// Print the report as JSON on stdout
     #[arg(long)]
     pub json: bool,
@@ -51,6 +55,19 @@ pub struct Args {
 pub fn run(args: Args) -> Result<()> {
     if args.faults {
         return faults::run(&args);
+    }
+    // A misspelt PLUMBLINE_FAULT must fail loudly, and one set for a build without fault hooks
+    // must not look like a clean run of that fault.
+    let fault = engine::faults::setting().context("the fault setting")?;
+    if !cfg!(feature = "fault-injection") && std::env::var_os(engine::faults::ENV_VAR).is_some() {
+        bail!(
+            "{} is set, but this xtask has no fault hooks (run cargo xtask verify --faults, or \
+             cargo xtask-faults verify)",
+            engine::faults::ENV_VAR
+        );
+    }
+    if let Some(f) = fault {
+        eprintln!("fault injected: {f}");
     }
     let report = verify(&args)?;
     if report.has_failures() {
@@ -91,23 +108,6 @@ pub fn verify(args: &Args) -> Result<Report> {
     let policy = TolerancePolicy::default();
     let baselines_path = PathBuf::from(BASELINES_PATH);
     let mut baselines = Baselines::load(&baselines_path)?;
-    let runnable = cases
-        .iter()
-        .filter(|c| c.skip_reason(&machine).is_none())
-        .count();
-    let bandwidth = if args.no_bench || runnable == 0 {
-        None
-    } else {
-        let bw = throughput::measure_memory_bandwidth()?;
-        eprintln!(
-            "memory bandwidth: {:.1} GB/s (median of {} passes over {} MiB)",
-            bw.gb_per_s(),
-            bw.passes,
-            bw.buffer_bytes >> 20
-        );
-        Some(bw)
-    };
-
     let mut report = Report::default();
     let mut refs = run_case::ReferenceCache::default();
     let mut updated = false;
@@ -130,15 +130,13 @@ pub fn verify(args: &Args) -> Result<Report> {
             real: case.model == models::REAL_MODEL,
             threads,
             policy: &policy,
-            bandwidth: bandwidth.as_ref(),
             baselines: &baselines,
             bench: !args.no_bench,
         };
         let result = match run_case::run(case, &env, &mut refs) {
             Ok((result, measured)) => {
-                // Baselines are kept for the real model only: a fixture's forward pass takes
-                // microseconds, so its tokens/s on a shared 2-core machine is noise, not a signal.
-                if let (true, true, Some(m)) = (args.update_baselines, env.real, measured) {
+                // Only the real model is benched (run_case::run says why).
+                if let (true, Some(m)) = (args.update_baselines, measured) {
                     baselines.update(&name, m);
                     updated = true;
                 }

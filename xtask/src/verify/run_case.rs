@@ -15,10 +15,12 @@ use harness::coherence::{self, DegeneracyParams, LogitThresholds};
 use harness::gate::GateResult;
 use harness::report::{CaseResult, Figure};
 use harness::tap::Tap;
-use harness::throughput::{self, Bandwidth, Baseline, Baselines};
-use harness::tolerance::TolerancePolicy;
+use harness::throughput::{self, Baseline, Baselines};
+use harness::tolerance::{Numerics, TolerancePolicy};
 use kernels::cpu::Isa;
 use reference::{Precision, ReferenceModel};
+
+use super::isolate::Isolating;
 
 /// The fixed English text every case is teacher-forced on (public domain, golden/data/README.md).
 const TEXT: &str = include_str!("../../../golden/data/pride_and_prejudice_ch1.txt");
@@ -60,17 +62,25 @@ impl Budget {
 
 /// What the reference computed for one model; shared by every backend's case of that model.
 pub struct ReferenceRun {
+    /// The reference tokenizer's ids for the whole fixed text (the `tokens` gate compares them).
+    pub text_ids: Vec<u32>,
+    /// The first `n_text` of [`Self::text_ids`]: what the reference's forward was fed.
     pub tokens: Vec<u32>,
     pub taps: Vec<Tap>,
+    /// The exact-numerics reference's taps on the same tokens (reference::Precision::Exact).
+    pub exact_taps: Vec<Tap>,
     pub logits: Vec<f32>,
     pub n_vocab: usize,
     pub greedy: Vec<u32>,
     /// The reference's logits at each greedy step (`n_greedy × n_vocab`).
     pub greedy_rows: Vec<f32>,
+    /// The reference tokenizer's ids for [`PROMPT`].
     pub prompt: Vec<u32>,
     /// `Some(id)` when the file's metadata asks for BOS (`add_bos_token`) and names it, read by
     /// the reference, not by the engine's tokenizer; `None` when the file does not ask for BOS.
     pub bos: Option<Option<u32>>,
+    /// The `golden` gate: the reference's summary against its pinned snapshot.
+    pub golden: GateResult,
 }
 
 /// Reference runs by model file, computed on first use.
@@ -78,14 +88,9 @@ pub struct ReferenceRun {
 pub struct ReferenceCache(HashMap<PathBuf, ReferenceRun>);
 
 impl ReferenceCache {
-    pub fn get(
-        &mut self,
-        path: &Path,
-        tokenizer: &Tokenizer,
-        budget: Budget,
-    ) -> Result<&ReferenceRun> {
+    pub fn get(&mut self, path: &Path, budget: Budget, real: bool) -> Result<&ReferenceRun> {
         if !self.0.contains_key(path) {
-            let run = reference_run(path, tokenizer, budget)?;
+            let run = reference_run(path, budget, real)?;
             self.0.insert(path.to_owned(), run);
         }
         self.0
@@ -94,28 +99,87 @@ impl ReferenceCache {
     }
 }
 
-fn text_tokens(tokenizer: &Tokenizer, n: usize) -> Result<Vec<u32>> {
-    let mut tokens = tokenizer
-        .encode(TEXT, true, false)
-        .context("tokenizing the fixed text")?;
-    tokens.truncate(n);
+/// The first `n` ids of the fixed text, at least 2.
+fn truncate_text(ids: &[u32], n: usize) -> Result<Vec<u32>> {
     anyhow::ensure!(
-        tokens.len() >= 2,
+        ids.len() >= 2,
         "the fixed text tokenizes to {} tokens, need at least 2",
-        tokens.len()
+        ids.len()
     );
-    Ok(tokens)
+    Ok(ids[..n.min(ids.len())].to_vec())
 }
 
 fn argmax(row: &[f32]) -> u32 {
     coherence::logits::argmax(row).unwrap_or(0) as u32
 }
 
-fn reference_run(path: &Path, tokenizer: &Tokenizer, budget: Budget) -> Result<ReferenceRun> {
+/// The `golden` gate: the reference's summary of this model now against the snapshot pinned in
+/// `golden/tests/snapshots/` (a reference that drifted is a failure of its own, whatever the engine
+/// does). A model without a snapshot is "not judged".
+fn golden_gate(path: &Path, real: bool) -> Result<GateResult> {
+    let stem = path
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let snap_path = golden::snapshot::snapshot_path(&stem);
+    let Ok(snap) = std::fs::read_to_string(&snap_path) else {
+        return Ok(GateResult::not_judged(
+            "golden",
+            0.0,
+            format!("no golden snapshot {}", snap_path.display()),
+        ));
+    };
+    let summary = if real {
+        golden::snapshot::real_model_summary(path)
+    } else {
+        let tokens: Vec<u32> = golden::vocab::sample_tokens()
+            .into_iter()
+            .take(golden::snapshot::FIXTURE_PROMPT_TOKENS)
+            .collect();
+        golden::snapshot::summarize(
+            path,
+            &golden::snapshot::Prompt::Tokens(tokens),
+            golden::snapshot::GREEDY_STEPS,
+        )
+    }
+    .with_context(|| format!("golden summary of {}", path.display()))?;
+    let diffs = golden::snapshot::drift(&summary, &snap)
+        .map_err(|e| anyhow!("{}: {e}", snap_path.display()))?;
+    let detail = if diffs.is_empty() {
+        format!(
+            "reference matches {} (numbers within {})",
+            snap_path.display(),
+            golden::snapshot::DRIFT_TOLERANCE
+        )
+    } else {
+        let shown: Vec<&str> = diffs.iter().take(3).map(String::as_str).collect();
+        format!(
+            "the reference drifted from {}: {}{}",
+            snap_path.display(),
+            shown.join("; "),
+            if diffs.len() > 3 { "; …" } else { "" }
+        )
+    };
+    Ok(GateResult::at_most(
+        "golden",
+        diffs.len() as f64,
+        0.0,
+        detail,
+    ))
+}
+
+fn reference_run(path: &Path, budget: Budget, real: bool) -> Result<ReferenceRun> {
+    let golden = golden_gate(path, real)?;
     let model = ReferenceModel::load(path, Precision::F32)
         .with_context(|| format!("loading {} in the reference", path.display()))?;
     let n_vocab = model.vocab_size();
-    let tokens = text_tokens(tokenizer, budget.n_text)?;
+    // The reference's own tokenizer (reference/src/tokenizer.rs), sharing nothing with the
+    // engine's: the `tokens` gate compares the two.
+    let tok = model.tokenizer().context("the reference tokenizer")?;
+    let text_ids = tok
+        .encode(TEXT, true, false)
+        .context("reference: tokenizing the fixed text")?;
+    let tokens = truncate_text(&text_ids, budget.n_text)?;
     let mut taps = Vec::new();
     let logits = model
         .forward(&tokens, &mut |name, shape, data| {
@@ -123,9 +187,9 @@ fn reference_run(path: &Path, tokenizer: &Tokenizer, budget: Budget) -> Result<R
         })
         .context("reference forward pass")?;
     // Greedy continuation without a KV cache: one full forward per new token (slow, obvious).
-    let prompt = tokenizer
+    let prompt = tok
         .encode(PROMPT, true, false)
-        .context("tokenizing the prompt")?;
+        .context("reference: tokenizing the prompt")?;
     let mut seq = prompt.clone();
     let mut greedy = Vec::new();
     let mut greedy_rows = Vec::new();
@@ -140,15 +204,29 @@ fn reference_run(path: &Path, tokenizer: &Tokenizer, budget: Budget) -> Result<R
         seq.push(next);
     }
     let bos = model.add_bos().then(|| model.bos_token_id());
+    drop(model);
+    // The exact-numerics reference on the same tokens (loaded after the f32 one is dropped, so
+    // that one copy of the dequantized weights is in memory at a time).
+    let exact = ReferenceModel::load(path, Precision::Exact)
+        .with_context(|| format!("loading {} in the exact-numerics reference", path.display()))?;
+    let mut exact_taps = Vec::new();
+    exact
+        .forward(&tokens, &mut |name, shape, data| {
+            exact_taps.push(Tap::new(name, shape.to_vec(), data.to_vec()))
+        })
+        .context("exact-numerics reference forward pass")?;
     Ok(ReferenceRun {
+        text_ids,
         tokens,
         taps,
+        exact_taps,
         logits,
         n_vocab,
         greedy,
         greedy_rows,
         prompt,
         bos,
+        golden,
     })
 }
 
@@ -166,7 +244,6 @@ pub struct CaseEnv<'a> {
     pub real: bool,
     pub threads: usize,
     pub policy: &'a TolerancePolicy,
-    pub bandwidth: Option<&'a Bandwidth>,
     pub baselines: &'a Baselines,
     pub bench: bool,
 }
@@ -188,15 +265,39 @@ pub fn run(
     let backend = CpuBackend::new(Some(isa), Some(env.threads))?;
     let engine = Engine::new(&model, &backend).context("preparing the weights")?;
     let budget = Budget::for_model(env.real);
-    let reference = refs.get(env.path, &tokenizer, budget)?;
+    let reference = refs.get(env.path, budget, env.real)?;
     let n_vocab = reference.n_vocab;
+
+    // Each side tokenizes with its own tokenizer; the `tokens` gate requires the same ids.
+    let engine_text = tokenizer
+        .encode(TEXT, true, false)
+        .context("engine: tokenizing the fixed text")?;
+    let engine_prompt = tokenizer
+        .encode(PROMPT, true, false)
+        .context("engine: tokenizing the prompt")?;
+    let tokens_gate = tokens_gate(&[
+        ("text", &engine_text, &reference.text_ids),
+        ("prompt", &engine_prompt, &reference.prompt),
+    ]);
+    let bos = reference.bos.map(|bos| {
+        // The sequences the engine is fed, against the BOS the reference read from the file.
+        bos_gate(bos, &[("text", &engine_text), ("prompt", &engine_prompt)])
+    });
+    if !tokens_gate.passed {
+        // Different inputs: no tap or logit comparison would mean anything.
+        let gates = std::iter::once(tokens_gate).chain(bos).collect();
+        let result = CaseResult::judged(&name, None, gates, Vec::new())
+            .with_duration(started.elapsed().as_secs_f64());
+        return Ok((result, None));
+    }
+    let engine_tokens = truncate_text(&engine_text, budget.n_text)?;
 
     // Teacher-forced: the same tokens, one batched forward, every tap and every position's logits.
     let mut recorder = TapRecorder::new();
     let mut session = Session::new(&engine, 4096)?;
     session.set_logits_all(true);
     let logits = session
-        .forward(&reference.tokens, Some(&mut recorder))
+        .forward(&engine_tokens, Some(&mut recorder))
         .context("engine forward pass")?;
     let engine_taps: Vec<Tap> = recorder
         .taps
@@ -204,10 +305,31 @@ pub fn run(
         .map(|t| Tap::new(t.name, t.shape, t.data))
         .collect();
     let n_layers = model.config().n_layer;
-    let comparison =
-        harness::compare::compare_taps(&engine_taps, &reference.taps, env.policy, &ctx);
+    let full = harness::compare::compare_taps(&engine_taps, &reference.taps, env.policy, &ctx);
+    // Layer-isolated, exact numerics: every engine layer on the exact reference's input to it.
+    let exact_ctx = ctx.with_numerics(Numerics::ExactIsolated);
+    let mut iso = Isolating::new(&reference.exact_taps);
+    let mut session = Session::new(&engine, 4096)?;
+    session
+        .forward(&engine_tokens, Some(&mut iso))
+        .context("engine forward pass, layer-isolated")?;
+    let isolated =
+        harness::compare::compare_taps(&iso.taps, &reference.exact_taps, env.policy, &exact_ctx);
+    // End to end against the exact reference: reported (how far exact numerics stay together
+    // through the depth), judged by neither bound.
+    let exact_e2e =
+        harness::compare::compare_taps(&engine_taps, &reference.exact_taps, env.policy, &exact_ctx);
+    // The finding is the first layer-isolated divergence (a layer's own error, tight bounds);
+    // failing that, the full-precision end-to-end one.
+    let (comparison, divergence_mode) = if isolated.first_divergence.is_some() {
+        (&isolated, "layer-isolated, exact numerics")
+    } else {
+        (&full, "end to end, full precision")
+    };
 
-    let mut gates: Vec<GateResult> = Vec::new();
+    let mut gates: Vec<GateResult> = vec![tokens_gate];
+    gates.extend(bos);
+    gates.push(reference.golden.clone());
     // Logit agreement over the text: position t predicts token t+1.
     let n_pos = reference.tokens.len() - 1;
     let stats = coherence::logit_agreement(
@@ -228,18 +350,9 @@ pub fn run(
         thresholds.ppl_ratio_tolerance = thresholds.ppl_ratio_tolerance.max(0.05);
     }
     gates.extend(stats.gates(&thresholds));
-    if let Some(bos) = reference.bos {
-        // Both sides are fed the engine tokenizer's ids, so no tap can see a tokenizer that drops
-        // BOS: check the sequences actually fed (the text and the greedy prompt, the very vectors
-        // passed to both forwards) against the BOS the reference read from the file.
-        gates.push(bos_gate(
-            bos,
-            &[("text", &reference.tokens), ("prompt", &reference.prompt)],
-        ));
-    }
 
     // Greedy continuation: equal to the reference's for the first tokens, and not degenerate.
-    let (generated, gen_logits) = greedy(&engine, &reference.prompt, budget.n_generate)?;
+    let (generated, gen_logits) = greedy(&engine, &engine_prompt, budget.n_generate)?;
     // A divergence at a near-tie passes. The engine quantizes activations to Q8 before each
     // product and the reference does not, so two close logits may trade places: on the real model
     // the scalar kernels flip one greedy step where the reference's lead is 0.34 nats and the
@@ -272,43 +385,73 @@ pub fn run(
         Figure::new("same_top1", stats.same_top1_rate, ""),
         Figure::new("ppl_ratio", stats.ppl_ratio, ""),
     ];
-    if let Some(first) = comparison
-        .taps
-        .iter()
-        .map(|t| t.metrics.nmse)
-        .reduce(f64::max)
-    {
-        figures.push(Figure::new("max_nmse", first, ""));
-    }
+    let max_nmse = |c: &harness::compare::Comparison| {
+        c.taps.iter().map(|t| t.metrics.nmse).fold(0.0, f64::max)
+    };
+    figures.push(Figure::new("max_nmse", max_nmse(&full), ""));
+    figures.push(Figure::new("isolated_max_nmse", max_nmse(&isolated), ""));
+    figures.push(Figure::new("exact_e2e_max_nmse", max_nmse(&exact_e2e), ""));
 
     let mut measured = None;
-    if env.bench {
-        let m = bench(&engine, &reference.tokens, budget)?;
+    // Throughput is judged on the real model only: a fixture's forward pass takes microseconds,
+    // so its tokens/s on a shared machine is noise, not a signal.
+    if env.bench && env.real {
+        let tensors = model.gguf().tensors();
+        let weights = WeightSize {
+            bytes: tensors.iter().map(|t| t.n_bytes).sum::<u64>() as f64,
+            elements: tensors.iter().map(|t| t.n_elements()).sum::<u64>() as f64,
+        };
+        let m = bench(&engine, &engine_tokens, budget, weights, env.threads)?;
         figures.push(Figure::new("prefill_tps", m.prefill_tps, "tok/s"));
         figures.push(Figure::new("decode_tps", m.decode_tps, "tok/s"));
-        if let Some(bw) = env.bandwidth {
-            let bytes: u64 = model.gguf().tensors().iter().map(|t| t.n_bytes).sum();
-            let roofline =
-                throughput::roofline_fraction(bytes as f64, bw.bytes_per_s, 1.0 / m.decode_tps)
-                    .unwrap_or(0.0);
-            figures.push(Figure::new("roofline", roofline, ""));
-            let measured_b = Baseline {
-                prefill_tps: m.prefill_tps,
-                decode_tps: m.decode_tps,
-                roofline,
-            };
-            gates.extend(
-                env.baselines
-                    .gates(&name, &measured_b, throughput::DEFAULT_NOISE_MARGIN),
-            );
-            measured = Some(measured_b);
-        }
+        figures.push(Figure::new("prefill_ratio", m.ratios.prefill_ratio, ""));
+        figures.push(Figure::new("decode_ratio", m.ratios.decode_ratio, ""));
+        gates.extend(
+            env.baselines
+                .gates(&name, &m.ratios, throughput::DEFAULT_NOISE_MARGIN),
+        );
+        measured = Some(m.ratios);
     }
 
-    let result = CaseResult::judged(&name, Some(&comparison), gates, figures)
+    let result = CaseResult::judged(&name, Some(comparison), gates, figures)
+        .with_divergence_mode(divergence_mode)
+        .with_comparison_series("isolated_exact", &isolated)
+        .with_comparison_series("e2e_exact", &exact_e2e)
+        .with_comparison_series("e2e_full", &full)
         .with_tolerances(env.policy.table(n_layers, &ctx))
         .with_duration(started.elapsed().as_secs_f64());
     Ok((result, measured))
+}
+
+/// The `tokens` gate: for each `(what, engine ids, reference ids)`, the two tokenizers must give
+/// the same ids. The value is the number of sequences that differ; the detail names the first
+/// differing position of each.
+fn tokens_gate(seqs: &[(&str, &[u32], &[u32])]) -> GateResult {
+    let wrong: Vec<String> = seqs
+        .iter()
+        .filter(|(_, e, r)| e != r)
+        .map(|(what, e, r)| {
+            let at = e.iter().zip(r.iter()).take_while(|(a, b)| a == b).count();
+            let id = |s: &[u32]| s.get(at).map_or("end".to_owned(), |x| x.to_string());
+            format!(
+                "{what}: first difference at position {at} (engine {}, reference {}; lengths {} and {})",
+                id(e),
+                id(r),
+                e.len(),
+                r.len()
+            )
+        })
+        .collect();
+    let detail = if wrong.is_empty() {
+        let n: Vec<String> = seqs
+            .iter()
+            .map(|(what, e, _)| format!("{what} {}", e.len()))
+            .collect();
+        format!("identical ids from both tokenizers ({})", n.join(", "))
+    } else {
+        wrong.join("; ")
+    };
+    GateResult::at_most("tokens", wrong.len() as f64, 0.0, detail)
 }
 
 /// The `bos` gate: every fed sequence starts with `bos`, the id the file's metadata names (a file
@@ -355,37 +498,97 @@ fn greedy(
     Ok((ids, rows))
 }
 
+/// What the roofline calibrations divide by.
+#[derive(Clone, Copy)]
+struct WeightSize {
+    bytes: f64,
+    elements: f64,
+}
+
 struct Speed {
     prefill_tps: f64,
     decode_tps: f64,
+    /// Medians of the per-run ratios to the calibrations measured right before each run.
+    ratios: Baseline,
 }
 
-/// Prefill and decode tokens/s, median of `runs`.
-fn bench(engine: &Engine<'_, CpuBackend>, tokens: &[u32], budget: Budget) -> Result<Speed> {
+/// Prefill and decode tokens/s (medians of `runs`), each run preceded by its own calibration
+/// (memory bandwidth for decode, f32 multiply-add rate for prefill; harness::throughput), so that
+/// load on a shared machine moves figure and calibration together and the ratio stays put.
+fn bench(
+    engine: &Engine<'_, CpuBackend>,
+    tokens: &[u32],
+    budget: Budget,
+    weights: WeightSize,
+    threads: usize,
+) -> Result<Speed> {
     let n_decode = 16;
-    let mut prefill = Vec::new();
-    let mut decode = Vec::new();
+    let (mut prefill, mut decode) = (Vec::new(), Vec::new());
+    let (mut prefill_ratio, mut decode_ratio) = (Vec::new(), Vec::new());
     for _ in 0..budget.bench_runs {
+        let bw = throughput::measure_memory_bandwidth_with(
+            throughput::DEFAULT_BANDWIDTH_BUFFER,
+            3,
+            threads,
+        )?;
+        let fma = throughput::measure_compute_with(
+            throughput::DEFAULT_COMPUTE_FMAS / threads.max(1),
+            threads,
+        )?;
         let mut session = Session::new(engine, tokens.len() + n_decode + 1)?;
         let t = Instant::now();
         let mut logits = session.forward(tokens, None)?;
-        prefill.push(tokens.len() as f64 / t.elapsed().as_secs_f64());
+        let p = tokens.len() as f64 / t.elapsed().as_secs_f64();
         let t = Instant::now();
         for _ in 0..n_decode {
             let next = argmax(logits.last());
             logits = session.forward(&[next], None)?;
         }
-        decode.push(n_decode as f64 / t.elapsed().as_secs_f64());
+        let d = n_decode as f64 / t.elapsed().as_secs_f64();
+        prefill.push(p);
+        decode.push(d);
+        prefill_ratio.push(throughput::ratio(
+            p,
+            fma.fma_per_s / (2.0 * weights.elements),
+        ));
+        decode_ratio.push(throughput::ratio(d, bw.bytes_per_s / weights.bytes));
     }
+    let med = |v: &[f64]| throughput::median(v).unwrap_or(f64::NAN);
     Ok(Speed {
-        prefill_tps: throughput::median(&prefill).unwrap_or(0.0),
-        decode_tps: throughput::median(&decode).unwrap_or(0.0),
+        prefill_tps: med(&prefill),
+        decode_tps: med(&decode),
+        ratios: Baseline {
+            prefill_ratio: med(&prefill_ratio),
+            decode_ratio: med(&decode_ratio),
+        },
     })
 }
 
 #[cfg(test)]
 mod tests {
-    use super::bos_gate;
+    use super::{bos_gate, tokens_gate};
+
+    #[test]
+    fn tokens_gate_counts_differing_sequences() {
+        let g = tokens_gate(&[
+            ("text", &[1, 5, 6], &[1, 5, 6]),
+            ("prompt", &[1, 7], &[1, 7]),
+        ]);
+        assert!(g.passed, "{}", g.detail);
+        let g = tokens_gate(&[("text", &[5, 6], &[1, 5, 6]), ("prompt", &[1, 7], &[1, 8])]);
+        assert_eq!((g.passed, g.value), (false, 2.0));
+        assert!(g
+            .detail
+            .contains("text: first difference at position 0 (engine 5, reference 1"));
+        assert!(g.detail.contains("prompt: first difference at position 1"));
+        // A prefix is a difference too.
+        let g = tokens_gate(&[("text", &[1, 5], &[1, 5, 6])]);
+        assert!(
+            !g.passed && g.detail.contains("engine end, reference 6"),
+            "{}",
+            g.detail
+        );
+    }
 
     fn check(bos: Option<u32>, fed: &[(&str, &[u32])], passed: bool, value: f64) {
         let g = bos_gate(bos, fed);
