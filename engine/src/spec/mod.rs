@@ -335,7 +335,9 @@ pub fn generate<'m, B: Backend + 'm>(
             Some(c) => c.clone(),
             None => measure_cost(engine, cache, first, cfg.shape.budget + 1, 1)?,
         };
-        Some(Policy::new(cfg.shape.budget, cost))
+        let mut p = Policy::new(cfg.shape.budget, cost);
+        p.shadow = !proposer.is_costly();
+        Some(p)
     } else {
         None
     };

@@ -74,8 +74,11 @@ pub struct Policy {
     /// A budget must beat plain decoding by this factor to be chosen (hysteresis against noise
     /// in the measured costs).
     pub margin: f64,
-    /// Rounds before the first choice from observations (until then: the largest budget).
+    /// Trees observed before the first choice from observations; until then the largest
+    /// budget, or plain decoding when `shadow` (a cheap drafter's trees are observed on plain
+    /// rounds too, so nothing is spent on speculation that may not pay).
     pub warmup: usize,
+    pub shadow: bool,
 }
 
 impl Policy {
@@ -99,6 +102,7 @@ impl Policy {
             pending: VecDeque::new(),
             margin: 1.05,
             warmup: 4,
+            shadow: false,
         }
     }
 
@@ -116,7 +120,11 @@ impl Policy {
     /// The budget for the next round.
     pub fn choose(&self) -> usize {
         if self.observed < self.warmup {
-            return *self.budgets.last().unwrap_or(&0);
+            return if self.shadow {
+                0
+            } else {
+                *self.budgets.last().unwrap_or(&0)
+            };
         }
         let plain = self.rate(0);
         let (mut best, mut best_rate) = (0, plain * self.margin);
