@@ -317,7 +317,9 @@ fn fma_rounds(x: &[f32], rounds: usize) -> f32 {
     for _ in 0..rounds {
         for c in x.chunks_exact(16) {
             for k in 0..16 {
-                acc[k] = acc[k].mul_add(w, c[k]);
+                // A plain multiply and add: `f32::mul_add` is a libm call unless the build
+                // enables FMA, which would time a function call, not the arithmetic units.
+                acc[k] = acc[k] * w + c[k];
             }
         }
     }

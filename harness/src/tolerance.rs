@@ -558,8 +558,14 @@ mod tests {
             assert_eq!(at0, at17, "{kind}: flat");
             assert!((at0 / documented - 1.0).abs() < 0.01, "{kind}: {at0}");
             // Tighter than the full-precision bound at layer 0, far tighter at the last layer.
-            assert!(at0 < p.tolerance(kind, Some(0), 18, &full).nmse_max, "{kind}");
-            assert!(at17 * 50.0 < p.tolerance(kind, Some(17), 18, &full).nmse_max, "{kind}");
+            assert!(
+                at0 < p.tolerance(kind, Some(0), 18, &full).nmse_max,
+                "{kind}"
+            );
+            assert!(
+                at17 * 50.0 < p.tolerance(kind, Some(17), 18, &full).nmse_max,
+                "{kind}"
+            );
         }
         // f32 weights round nothing: only f32 rounding is left.
         let f32c = ctx("f32", "cpu-avx2").with_numerics(Numerics::ExactIsolated);
