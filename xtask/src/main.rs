@@ -1,6 +1,7 @@
 //! `cargo xtask`: project automation — fetching real models, quantization accuracy, and (as the
 //! harness grows) fixtures, golden snapshots, comparison and verification.
 
+mod bench;
 mod compare;
 mod fetch_model;
 mod golden;
@@ -30,6 +31,8 @@ enum Command {
     Verify(verify::Args),
     /// Regenerate the golden snapshots as `.snap.new` files and list the changed ones
     Golden(golden::Args),
+    /// plumbline beside llama.cpp's llama-bench: pp512 and tg128, bandwidth, roofline
+    Bench(bench::Args),
     /// Quantize→dequantize error of every weight type against ggml's published thresholds
     QuantErrors {
         /// Print JSON instead of a table
@@ -55,6 +58,7 @@ fn main() -> Result<()> {
         Command::QuantErrors { json } => quant_errors::run(json)?,
         Command::Verify(args) => verify::run(args)?,
         Command::Compare(args) => compare::run(args)?,
+        Command::Bench(args) => bench::run(args)?,
     }
     Ok(())
 }
