@@ -184,7 +184,7 @@ pub fn run(args: Args) -> Result<()> {
         .map(|w| (w.n_mats * w.n_rows * w.row_bytes) as u64)
         .sum();
 
-    let mut ids = Ids(0x5EED_0F_B3AC);
+    let mut ids = Ids(0x005E_ED0F_B3AC);
     let mut rows = Vec::new();
     let mut bandwidth = Vec::new();
     for &threads in &args.threads {
