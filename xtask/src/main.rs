@@ -1,6 +1,7 @@
 //! `cargo xtask`: project automation — fetching real models, quantization accuracy, and (as the
 //! harness grows) fixtures, golden snapshots, comparison and verification.
 
+mod bench;
 mod compare;
 mod fetch_model;
 mod golden;
@@ -36,6 +37,8 @@ enum Command {
     Kernels(kernels::Args),
     /// Nextest archive of the GPU tests + nextest binary + prebuilt cubins + run script for a GPU runner
     GpuArchive(gpu_archive::Args),
+    /// plumbline beside llama.cpp's llama-bench: pp512 and tg128, bandwidth, roofline
+    Bench(bench::Args),
     /// Quantize→dequantize error of every weight type against ggml's published thresholds
     QuantErrors {
         /// Print JSON instead of a table
@@ -63,6 +66,7 @@ fn main() -> Result<()> {
         Command::GpuArchive(args) => gpu_archive::run(args)?,
         Command::Verify(args) => verify::run(args)?,
         Command::Compare(args) => compare::run(args)?,
+        Command::Bench(args) => bench::run(args)?,
     }
     Ok(())
 }

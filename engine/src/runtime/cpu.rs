@@ -1,14 +1,15 @@
 //! [`CpuBackend`]: the forward-pass operations on the CPU.
 //!
 //! Matrix products are `kernels::cpu`'s quantized dot products (activations quantized as ggml
-//! does); everything else is plain f32 here, written after ggml's CPU ops (RMSNorm sums in f64,
-//! RoPE angles by repeated multiplication in f32, softmax sums in f64). Work runs on the
+//! does); the gated GELU and attention's `q · k` and `out += w · v` are `kernels::cpu::vector`'s
+//! SIMD kernels of the same ISA; everything else is plain f32 here, written after ggml's CPU ops
+//! (RMSNorm sums in f64, RoPE angles by repeated multiplication in f32, softmax sums in f64). Work runs on the
 //! backend's own rayon pool, sized at construction; the ISA is chosen once, at construction.
 
 use std::borrow::Cow;
 
 use half::f16;
-use kernels::cpu::{CpuKernels, Isa};
+use kernels::cpu::{vector, CpuKernels, Isa};
 use kernels::quant::{dequantize, GgmlType};
 use rayon::prelude::*;
 
@@ -155,34 +156,8 @@ fn rope_head(x: &mut [f32], cache: &[(f32, f32)], style: RopeStyle) {
 }
 
 #[inline]
-fn gelu_tanh(x: f32) -> f32 {
-    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
-    const GELU_COEF_A: f32 = 0.044_715;
-    0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (1.0 + GELU_COEF_A * x * x)).tanh())
-}
-
-#[inline]
 fn silu(x: f32) -> f32 {
     x / (1.0 + (-x).exp())
-}
-
-/// A KV row element: f32 or f16 storage.
-trait KvElem: Copy + Send + Sync {
-    fn f32(self) -> f32;
-}
-
-impl KvElem for f32 {
-    #[inline(always)]
-    fn f32(self) -> f32 {
-        self
-    }
-}
-
-impl KvElem for f16 {
-    #[inline(always)]
-    fn f32(self) -> f32 {
-        self.to_f32()
-    }
 }
 
 /// Keys and values of every cell as one attention call reads them.
@@ -191,6 +166,9 @@ struct KvRows<'a, E> {
     v: &'a [E],
     k_stride: usize,
     v_stride: usize,
+    /// The ISA's `q · k` and `out += w · v` for this storage type.
+    dot: vector::Dot<E>,
+    axpy: vector::Axpy<E>,
 }
 
 /// The cells query `t` sees, in index order.
@@ -204,30 +182,9 @@ fn visible_cells(m: &AttnMeta<'_>, t: usize) -> Vec<u32> {
         .collect()
 }
 
-/// `q · k` over eight independent partial sums (a shape the compiler vectorizes; a single
-/// running sum would force one lane and a serial dependency).
-#[inline]
-fn dot_lanes<E: KvElem>(q: &[f32], k: &[E]) -> f32 {
-    const L: usize = 8;
-    let mut acc = [0f32; L];
-    let (qc, kc) = (q.chunks_exact(L), k.chunks_exact(L));
-    let tail: f32 = qc
-        .remainder()
-        .iter()
-        .zip(kc.remainder())
-        .map(|(a, b)| a * b.f32())
-        .sum();
-    for (qa, ka) in qc.zip(kc) {
-        for l in 0..L {
-            acc[l] += qa[l] * ka[l].f32();
-        }
-    }
-    acc.iter().sum::<f32>() + tail
-}
-
 /// One query head against `cells` (those its mask lets it see): scores, softmax (sum in f64,
 /// as ggml), weighted sum of values. Cells are visited in index order.
-fn attend_one<E: KvElem>(
+fn attend_one<E>(
     q: &[f32],
     kv: &KvRows<'_, E>,
     kv_head: usize,
@@ -244,7 +201,7 @@ fn attend_one<E: KvElem>(
     let mut max = f32::NEG_INFINITY;
     for &j in cells {
         let kr = &kv.k[j as usize * kv.k_stride + kv_head * m.head_dim_k..][..m.head_dim_k];
-        let s = dot_lanes(q, kr) * m.scale;
+        let s = (kv.dot)(q, kr) * m.scale;
         max = max.max(s);
         scores.push(s);
     }
@@ -257,9 +214,7 @@ fn attend_one<E: KvElem>(
     for (&w, &j) in scores.iter().zip(cells) {
         let w = w * inv;
         let vr = &kv.v[j as usize * kv.v_stride + kv_head * m.head_dim_v..][..m.head_dim_v];
-        for (o, &x) in out.iter_mut().zip(vr) {
-            *o += w * x.f32();
-        }
+        (kv.axpy)(out, w, vr);
     }
 }
 
@@ -419,7 +374,7 @@ fn shape(op: &'static str, expected: usize, found: usize) -> RuntimeError {
 }
 
 impl CpuBackend {
-    fn attend<E: KvElem>(&self, q: &[f32], kv: KvRows<'_, E>, m: &AttnMeta<'_>, out: &mut [f32]) {
+    fn attend<E: Sync>(&self, q: &[f32], kv: KvRows<'_, E>, m: &AttnMeta<'_>, out: &mut [f32]) {
         let group = m.n_head / m.n_head_kv;
         self.pool.install(|| {
             // The mask is evaluated once per query token, not once per head.
@@ -688,10 +643,7 @@ impl Backend for CpuBackend {
         check_len("gated activation", gate.len(), up.len())?;
         match act {
             Activation::Silu => gate.iter_mut().zip(up).for_each(|(g, u)| *g = silu(*g) * u),
-            Activation::GeluTanh => gate
-                .iter_mut()
-                .zip(up)
-                .for_each(|(g, u)| *g = gelu_tanh(*g) * u),
+            Activation::GeluTanh => (self.kernels.vector().gelu_mul)(gate, up),
         }
         Ok(())
     }
@@ -975,6 +927,7 @@ impl Backend for CpuBackend {
             check_len("attention ancestors", n * m.anc_words, m.ancestors.len())?;
         }
         let (k_stride, v_stride) = (m.n_head_kv * m.head_dim_k, m.n_head_kv * m.head_dim_v);
+        let vf = self.kernels.vector();
         match kv {
             KvSource::Cache(c) => {
                 check_len("attention cache key width", k_stride, c.k_width)?;
@@ -989,6 +942,8 @@ impl Backend for CpuBackend {
                             v,
                             k_stride,
                             v_stride,
+                            dot: vf.dot_f32,
+                            axpy: vf.axpy_f32,
                         };
                         self.attend(q, rows, m, out)
                     }
@@ -998,6 +953,8 @@ impl Backend for CpuBackend {
                             v,
                             k_stride,
                             v_stride,
+                            dot: vf.dot_f16,
+                            axpy: vf.axpy_f16,
                         };
                         self.attend(q, rows, m, out)
                     }
@@ -1012,6 +969,8 @@ impl Backend for CpuBackend {
                     v,
                     k_stride,
                     v_stride,
+                    dot: vf.dot_f32,
+                    axpy: vf.axpy_f32,
                 };
                 self.attend(q, rows, m, out)
             }
@@ -1274,8 +1233,8 @@ mod tests {
     #[test]
     fn gelu_matches_known_values() {
         // GELU-tanh(1) = 0.8411920 (tanh approximation, computed in f64).
-        approx::assert_abs_diff_eq!(gelu_tanh(1.0), 0.841_192, epsilon = 1e-6);
-        approx::assert_abs_diff_eq!(gelu_tanh(0.0), 0.0);
+        approx::assert_abs_diff_eq!(vector::gelu_tanh(1.0), 0.841_192, epsilon = 1e-6);
+        approx::assert_abs_diff_eq!(vector::gelu_tanh(0.0), 0.0);
         approx::assert_abs_diff_eq!(silu(0.0), 0.0);
     }
 

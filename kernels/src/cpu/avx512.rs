@@ -1,6 +1,8 @@
 //! AVX-512 (F + BW + VL) kernels, 512 bits wide, for the types of the real models: F32, F16,
 //! Q4_0, Q5_0, Q8_0 (two blocks per register), Q4_K and Q6_K (64 elements per register). The
-//! other types run the AVX2 kernels on this ISA (see [`super`]). Each kernel computes the same
+//! other types run the AVX2 kernels on this ISA (see [`super`]). The legacy and k-quant kernels
+//! also come in a four-activation-row form (prefill: each weight block unpacked once for four
+//! tokens) that gives bit-identical results to the one-row form. Each kernel computes the same
 //! exact integer block sums as its scalar twin in [`super::scalar`].
 //!
 //! Safe `#[target_feature]` functions, as in [`super::avx2`]: only the CPU features are a
@@ -15,7 +17,7 @@ use super::avx2::{
     nibbles_32, q6k_bias, q6k_unpack,
 };
 use super::scalar::scales_mins_k4;
-use super::RowDot;
+use super::{RowDot, RowDot4};
 use crate::quant::{BlockQ8K, BlockQ8_0, GgmlType};
 
 /// The AVX-512 kernel for weights of type `ty`, if there is one.
@@ -29,6 +31,20 @@ pub(super) fn select(ty: GgmlType) -> Option<RowDot> {
         T::Q8_0 => RowDot::Q8_0(dot_q8_0),
         T::Q4K => RowDot::Q8K(dot_q4k),
         T::Q6K => RowDot::Q8K(dot_q6k),
+        _ => return None,
+    })
+}
+
+/// The AVX-512 four-row kernel for weights of type `ty`, if there is one (see
+/// [`super::RowDot4`]).
+pub(super) fn select4(ty: GgmlType) -> Option<RowDot4> {
+    use GgmlType as T;
+    Some(match ty {
+        T::Q4_0 => RowDot4::Q8_0(dot4_q4_0),
+        T::Q5_0 => RowDot4::Q8_0(dot4_q5_0),
+        T::Q8_0 => RowDot4::Q8_0(dot4_q8_0),
+        T::Q4K => RowDot4::Q8K(dot4_q4k),
+        T::Q6K => RowDot4::Q8K(dot4_q6k),
         _ => return None,
     })
 }
@@ -63,19 +79,6 @@ fn cat(lo: __m256i, hi: __m256i) -> __m512i {
 #[inline]
 fn fold_epi32(v: __m512i) -> __m256i {
     _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64::<1>(v))
-}
-
-/// Σ x·y over pairs of signed bytes as sixteen i32 lanes; as [`super::avx2::dot_i8_pairs`]:
-/// `y` takes the sign of `x` (negated under the mask of negative `x`) and `maddubs` multiplies
-/// |x| (unsigned) by it. Exact for |y| ≤ 127.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-#[inline]
-fn dot_i8_pairs_512(x: __m512i, y: __m512i) -> __m512i {
-    let ax = _mm512_abs_epi8(x);
-    let neg = _mm512_movepi8_mask(x);
-    let sy = _mm512_mask_sub_epi8(y, neg, _mm512_setzero_si512(), y);
-    let p16 = _mm512_maddubs_epi16(ax, sy);
-    _mm512_madd_epi16(p16, _mm512_set1_epi16(1))
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
@@ -125,65 +128,165 @@ fn dot_f16(w: &[u8], y: &[f16]) -> f32 {
     _mm512_reduce_add_ps(s) + rest
 }
 
-/// Shared loop of the Q8_0-activation kernels, two blocks per 512-bit register: `unpack` turns
-/// a `TS`-byte weight block into 32 signed bytes and its f32 scale. An odd last block runs at
-/// 256 bits.
+/// Shared loop of the Q8_0-activation kernels, two blocks per 512-bit register, for `N`
+/// activation rows at once: `unpack2` turns two consecutive `TS`-byte weight blocks into 64
+/// signed bytes and their f32 scales (`unpack` one block, for an odd last one), once for all `N`
+/// rows. An odd last block runs at 256 bits. Each row's
+/// f32 operations are the same, in the same order, for every `N`, so the multi-row kernels give
+/// bit-identical results to the one-row kernel.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 #[inline]
-fn dot_blocks_q8_0<const TS: usize>(
+fn dot_blocks_q8_0<const TS: usize, const N: usize>(
     w: &[u8],
-    y: &[BlockQ8_0],
+    ys: [&[BlockQ8_0]; N],
     unpack: impl Fn(&[u8]) -> (__m256i, f32),
-) -> f32 {
-    let mut acc = _mm512_setzero_ps();
-    let mut pairs_w = w.chunks_exact(2 * TS);
-    let mut pairs_y = y.chunks_exact(2);
-    for (xb, yb) in (&mut pairs_w).zip(&mut pairs_y) {
-        let (q0, d0) = unpack(&xb[..TS]);
-        let (q1, d1) = unpack(&xb[TS..]);
-        let qy = cat(ld_i8(&yb[0].qs), ld_i8(&yb[1].qs));
-        let sumi = dot_i8_pairs_512(cat(q0, q1), qy);
-        // Lanes 0..8 hold the first block's sums, lanes 8..16 the second's.
-        let d = _mm512_mask_blend_ps(
-            0xFF00,
-            _mm512_set1_ps(d0 * f16_to_f32(yb[0].d)),
-            _mm512_set1_ps(d1 * f16_to_f32(yb[1].d)),
-        );
-        acc = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(sumi), acc);
+    unpack2: impl Fn(&[u8]) -> (__m512i, f32, f32),
+) -> [f32; N] {
+    let nb = w.len() / TS;
+    let ys = ys.map(|y| &y[..nb]);
+    let mut acc = [_mm512_setzero_ps(); N];
+    let pairs = nb / 2;
+    for i in 0..pairs {
+        let (qx, d0, d1) = unpack2(&w[2 * TS * i..2 * TS * (i + 1)]);
+        let ax = _mm512_abs_epi8(qx);
+        let neg = _mm512_movepi8_mask(qx);
+        for (a, y) in acc.iter_mut().zip(ys) {
+            let (y0, y1) = (&y[2 * i], &y[2 * i + 1]);
+            let qy = cat(ld_i8(&y0.qs), ld_i8(&y1.qs));
+            let sy = _mm512_mask_sub_epi8(qy, neg, _mm512_setzero_si512(), qy);
+            let p16 = _mm512_maddubs_epi16(ax, sy);
+            let sumi = _mm512_madd_epi16(p16, _mm512_set1_epi16(1));
+            // Lanes 0..8 hold the first block's sums, lanes 8..16 the second's.
+            let d = _mm512_mask_blend_ps(
+                0xFF00,
+                _mm512_set1_ps(d0 * f16_to_f32(y0.d)),
+                _mm512_set1_ps(d1 * f16_to_f32(y1.d)),
+            );
+            *a = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(sumi), *a);
+        }
     }
-    let mut tail = _mm256_setzero_ps();
-    if let [yb] = pairs_y.remainder() {
-        let xb = &w[(y.len() - 1) * TS..];
-        let (q, dx) = unpack(xb);
+    let mut tail = [_mm256_setzero_ps(); N];
+    if nb % 2 == 1 {
+        let (q, dx) = unpack(&w[(nb - 1) * TS..]);
         let ax = _mm256_sign_epi8(q, q);
-        let sy = _mm256_sign_epi8(ld_i8(&yb.qs), q);
-        let sumi = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, sy), _mm256_set1_epi16(1));
-        let d = _mm256_set1_ps(dx * f16_to_f32(yb.d));
-        tail = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sumi));
+        for (t, y) in tail.iter_mut().zip(ys) {
+            let yb = &y[nb - 1];
+            let sy = _mm256_sign_epi8(ld_i8(&yb.qs), q);
+            let sumi = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, sy), _mm256_set1_epi16(1));
+            let d = _mm256_set1_ps(dx * f16_to_f32(yb.d));
+            *t = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sumi));
+        }
     }
-    _mm512_reduce_add_ps(acc) + hsum_ps(tail)
+    let mut out = [0f32; N];
+    for n in 0..N {
+        out[n] = _mm512_reduce_add_ps(acc[n]) + hsum_ps(tail[n]);
+    }
+    out
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+#[inline]
+fn q8_0_unpack(b: &[u8]) -> (__m256i, f32) {
+    (ld_u8(&b[2..]), fp16(b))
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+#[inline]
+fn q4_0_unpack(b: &[u8]) -> (__m256i, f32) {
+    let q = _mm256_sub_epi8(nibbles_32(&b[2..]), _mm256_set1_epi8(8));
+    (q, fp16(b))
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+#[inline]
+fn q5_0_unpack(b: &[u8]) -> (__m256i, f32) {
+    let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+    let hi = _mm256_andnot_si256(bytes_from_bits_32(qh), _mm256_set1_epi8(0xF0u8 as i8));
+    (_mm256_or_si256(nibbles_32(&b[6..]), hi), fp16(b))
+}
+
+/// Two blocks unpacked one at a time and concatenated.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+#[inline]
+fn pair<const TS: usize>(
+    b: &[u8],
+    unpack: impl Fn(&[u8]) -> (__m256i, f32),
+) -> (__m512i, f32, f32) {
+    let (q0, d0) = unpack(&b[..TS]);
+    let (q1, d1) = unpack(&b[TS..]);
+    (cat(q0, q1), d0, d1)
+}
+
+/// Two Q5_0 blocks at once: the 64 high bits become a byte mask in one instruction (AVX-512BW),
+/// and the nibbles of both blocks are split in one pass. The same bytes as two
+/// [`q5_0_unpack`]s.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+#[inline]
+fn q5_0_unpack2(b: &[u8]) -> (__m512i, f32, f32) {
+    let qh0 = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+    let qh1 = u32::from_le_bytes([b[24], b[25], b[26], b[27]]);
+    let high = u64::from(qh0) | u64::from(qh1) << 32;
+    let m4 = _mm256_set1_epi8(0x0F);
+    let t = _mm256_set_m128i(ld128(&b[28..]), ld128(&b[6..]));
+    let lo = _mm256_and_si256(t, m4);
+    let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(t), m4);
+    // cat(lo, hi) holds [block 0 low, block 1 low, block 0 high, block 1 high] in its 128-bit
+    // lanes; lanes 0, 2, 1, 3 put each block's 32 elements in order.
+    let x = cat(lo, hi);
+    let x = _mm512_shuffle_i64x2::<0b11_01_10_00>(x, x);
+    // (nibble | h << 4) − 16 as a signed byte is the nibble with 0xF0 set where h is 0.
+    let h = _mm512_maskz_mov_epi8(!high, _mm512_set1_epi8(0xF0u8 as i8));
+    (_mm512_or_si512(x, h), fp16(b), fp16(&b[22..]))
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 fn dot_q8_0(w: &[u8], y: &[BlockQ8_0]) -> f32 {
-    dot_blocks_q8_0::<34>(w, y, |b| (ld_u8(&b[2..]), fp16(b)))
+    dot_blocks_q8_0::<34, 1>(
+        w,
+        [y],
+        |b| q8_0_unpack(b),
+        |b| pair::<34>(b, |b| q8_0_unpack(b)),
+    )[0]
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 fn dot_q4_0(w: &[u8], y: &[BlockQ8_0]) -> f32 {
-    dot_blocks_q8_0::<18>(w, y, |b| {
-        let q = _mm256_sub_epi8(nibbles_32(&b[2..]), _mm256_set1_epi8(8));
-        (q, fp16(b))
-    })
+    dot_blocks_q8_0::<18, 1>(
+        w,
+        [y],
+        |b| q4_0_unpack(b),
+        |b| pair::<18>(b, |b| q4_0_unpack(b)),
+    )[0]
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 fn dot_q5_0(w: &[u8], y: &[BlockQ8_0]) -> f32 {
-    dot_blocks_q8_0::<22>(w, y, |b| {
-        let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
-        let hi = _mm256_andnot_si256(bytes_from_bits_32(qh), _mm256_set1_epi8(0xF0u8 as i8));
-        (_mm256_or_si256(nibbles_32(&b[6..]), hi), fp16(b))
-    })
+    dot_blocks_q8_0::<22, 1>(w, [y], |b| q5_0_unpack(b), |b| q5_0_unpack2(b))[0]
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+fn dot4_q8_0(w: &[u8], y: &[&[BlockQ8_0]; 4]) -> [f32; 4] {
+    dot_blocks_q8_0::<34, 4>(
+        w,
+        *y,
+        |b| q8_0_unpack(b),
+        |b| pair::<34>(b, |b| q8_0_unpack(b)),
+    )
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+fn dot4_q4_0(w: &[u8], y: &[&[BlockQ8_0]; 4]) -> [f32; 4] {
+    dot_blocks_q8_0::<18, 4>(
+        w,
+        *y,
+        |b| q4_0_unpack(b),
+        |b| pair::<18>(b, |b| q4_0_unpack(b)),
+    )
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+fn dot4_q5_0(w: &[u8], y: &[&[BlockQ8_0]; 4]) -> [f32; 4] {
+    dot_blocks_q8_0::<22, 4>(w, *y, |b| q5_0_unpack(b), |b| q5_0_unpack2(b))
 }
 
 /// Sub-block scales for 64 elements as 32 i16 lanes: `a` for lanes 0..16, `b` for 16..32.
@@ -193,64 +296,118 @@ fn scale_pair(a: i16, b: i16) -> __m512i {
     _mm512_mask_blend_epi16(0xFFFF_0000, _mm512_set1_epi16(a), _mm512_set1_epi16(b))
 }
 
+/// Q4_K against `N` activation rows: each block's nibbles and scales are unpacked once for all
+/// rows; per row the operations are those of the one-row kernel, in the same order.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-fn dot_q4k(w: &[u8], y: &[BlockQ8K]) -> f32 {
+#[inline]
+fn dot_q4k_n<const N: usize>(w: &[u8], ys: [&[BlockQ8K]; N]) -> [f32; N] {
     let m4 = _mm256_set1_epi8(0x0F);
-    let mut acc = _mm256_setzero_ps();
-    let mut acc_m = _mm_setzero_ps();
-    for (xb, yb) in w.chunks_exact(144).zip(y) {
-        let d = yb.d * fp16(&xb[0..]);
-        let dmin = -yb.d * fp16(&xb[2..]);
+    let nb = w.len() / 144;
+    let ys = ys.map(|y| &y[..nb]);
+    let mut acc = [_mm256_setzero_ps(); N];
+    let mut acc_m = [_mm_setzero_ps(); N];
+    for i in 0..nb {
+        let xb = &w[144 * i..144 * (i + 1)];
+        let (dw, dminw) = (fp16(&xb[0..]), fp16(&xb[2..]));
         let mut s12 = [0u8; 12];
         s12.copy_from_slice(&xb[4..16]);
         let (sc, mn) = scales_mins_k4(&s12);
-        let prod = mins_dot_bsums(&mn, &yb.bsums);
-        acc_m = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(prod), acc_m);
-
         let qs = &xb[16..144];
-        let mut sumi = _mm512_setzero_si512();
+        let mut q = [_mm512_setzero_si512(); 4];
+        let mut s = [_mm512_setzero_si512(); 4];
         for j in 0..4 {
             // 64 elements: low nibbles (64j .. 64j + 32), then high nibbles.
             let bits = ld_u8(&qs[32 * j..]);
             let lo = _mm256_and_si256(bits, m4);
             let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(bits), m4);
-            let p = _mm512_maddubs_epi16(cat(lo, hi), ld512_i8(&yb.qs[64 * j..]));
-            let s = scale_pair(i16::from(sc[2 * j]), i16::from(sc[2 * j + 1]));
-            sumi = _mm512_add_epi32(sumi, _mm512_madd_epi16(p, s));
+            q[j] = cat(lo, hi);
+            s[j] = scale_pair(i16::from(sc[2 * j]), i16::from(sc[2 * j + 1]));
         }
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(fold_epi32(sumi)), acc);
+        for n in 0..N {
+            let yb = &ys[n][i];
+            let d = yb.d * dw;
+            let dmin = -yb.d * dminw;
+            let prod = mins_dot_bsums(&mn, &yb.bsums);
+            acc_m[n] = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(prod), acc_m[n]);
+            let mut sumi = _mm512_setzero_si512();
+            for j in 0..4 {
+                let p = _mm512_maddubs_epi16(q[j], ld512_i8(&yb.qs[64 * j..]));
+                sumi = _mm512_add_epi32(sumi, _mm512_madd_epi16(p, s[j]));
+            }
+            let v = _mm256_cvtepi32_ps(fold_epi32(sumi));
+            acc[n] = _mm256_fmadd_ps(_mm256_set1_ps(d), v, acc[n]);
+        }
     }
-    hsum_ps(acc) + hsum_ps128(acc_m)
+    let mut out = [0f32; N];
+    for n in 0..N {
+        out[n] = hsum_ps(acc[n]) + hsum_ps128(acc_m[n]);
+    }
+    out
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-fn dot_q6k(w: &[u8], y: &[BlockQ8K]) -> f32 {
+fn dot_q4k(w: &[u8], y: &[BlockQ8K]) -> f32 {
+    dot_q4k_n::<1>(w, [y])[0]
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+fn dot4_q4k(w: &[u8], y: &[&[BlockQ8K]; 4]) -> [f32; 4] {
+    dot_q4k_n::<4>(w, *y)
+}
+
+/// Q6_K against `N` activation rows, each block unpacked once (see [`dot_q4k_n`]).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+#[inline]
+fn dot_q6k_n<const N: usize>(w: &[u8], ys: [&[BlockQ8K]; N]) -> [f32; N] {
     let spread = spread4();
-    let mut acc = _mm256_setzero_ps();
-    for (xb, yb) in w.chunks_exact(210).zip(y) {
-        let d = yb.d * fp16(&xb[208..]);
+    let nb = w.len() / 210;
+    let ys = ys.map(|y| &y[..nb]);
+    let mut acc = [_mm256_setzero_ps(); N];
+    for i in 0..nb {
+        let xb = &w[210 * i..210 * (i + 1)];
+        let dw = fp16(&xb[208..]);
         let scales = &xb[192..208];
         // The sixteen scales as i16, and a permutation per 64 elements spreading four of them
         // over eight lanes each.
         let sc16 = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(ld128(scales)));
-        let mut sumi = _mm512_setzero_si512();
+        let mut q = [_mm512_setzero_si512(); 4];
+        let mut s = [_mm512_setzero_si512(); 4];
         for n in 0..2 {
-            let q = q6k_unpack(&xb[64 * n..], &xb[128 + 32 * n..]);
+            let u = q6k_unpack(&xb[64 * n..], &xb[128 + 32 * n..]);
             for h in 0..2 {
                 let base = (8 * n + 4 * h) as i16;
                 let idx = _mm512_add_epi16(_mm512_set1_epi16(base), spread);
-                let s = _mm512_permutexvar_epi16(idx, sc16);
-                let p = _mm512_maddubs_epi16(
-                    cat(q[2 * h], q[2 * h + 1]),
-                    ld512_i8(&yb.qs[128 * n + 64 * h..]),
-                );
-                sumi = _mm512_add_epi32(sumi, _mm512_madd_epi16(p, s));
+                s[2 * n + h] = _mm512_permutexvar_epi16(idx, sc16);
+                q[2 * n + h] = cat(u[2 * h], u[2 * h + 1]);
             }
         }
-        let sumi = _mm256_sub_epi32(fold_epi32(sumi), q6k_bias(scales, &yb.bsums));
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+        for t in 0..N {
+            let yb = &ys[t][i];
+            let d = yb.d * dw;
+            let mut sumi = _mm512_setzero_si512();
+            for g in 0..4 {
+                let p = _mm512_maddubs_epi16(q[g], ld512_i8(&yb.qs[64 * g..]));
+                sumi = _mm512_add_epi32(sumi, _mm512_madd_epi16(p, s[g]));
+            }
+            let sumi = _mm256_sub_epi32(fold_epi32(sumi), q6k_bias(scales, &yb.bsums));
+            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc[t]);
+        }
     }
-    hsum_ps(acc)
+    let mut out = [0f32; N];
+    for t in 0..N {
+        out[t] = hsum_ps(acc[t]);
+    }
+    out
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+fn dot_q6k(w: &[u8], y: &[BlockQ8K]) -> f32 {
+    dot_q6k_n::<1>(w, [y])[0]
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+fn dot4_q6k(w: &[u8], y: &[&[BlockQ8K]; 4]) -> [f32; 4] {
+    dot_q6k_n::<4>(w, *y)
 }
 
 /// Lane i of 32 → i / 8: the index pattern that spreads four scales over 64 elements.

@@ -36,6 +36,7 @@ mod isa;
 mod scalar;
 #[cfg(test)]
 mod tests;
+pub mod vector;
 
 use std::cell::RefCell;
 
@@ -70,6 +71,22 @@ enum RowDot {
     Q8K(Dot<BlockQ8K>),
 }
 
+/// One weight row against four activation rows at once (prefill): each weight block is unpacked
+/// once for the four. Every output is bit-identical to the [`Dot`] of the same type on that row
+/// (the per-row f32 operations are the same, in the same order), so how tokens are grouped never
+/// changes a result. Its scalar twin is four calls of the scalar [`Dot`].
+///
+/// # Safety
+/// As [`Dot`], for each of the four activation rows.
+type Dot4<A> = unsafe fn(&[u8], &[&[A]; 4]) -> [f32; 4];
+
+/// A four-row kernel, by the activation type it reads.
+#[derive(Clone, Copy)]
+enum RowDot4 {
+    Q8_0(Dot4<BlockQ8_0>),
+    Q8K(Dot4<BlockQ8K>),
+}
+
 /// Largest GGUF type id plus one: the size of the dispatch table.
 const TYPE_SLOTS: usize = 40;
 
@@ -78,6 +95,8 @@ const TYPE_SLOTS: usize = 40;
 pub struct CpuKernels {
     isa: Isa,
     table: [Option<RowDot>; TYPE_SLOTS],
+    table4: [Option<RowDot4>; TYPE_SLOTS],
+    vector: vector::VectorFns,
 }
 
 impl std::fmt::Debug for CpuKernels {
@@ -127,17 +146,32 @@ impl CpuKernels {
     /// Fill the dispatch table. Only called with an ISA the CPU has.
     fn build(isa: Isa) -> Self {
         let mut table = [None; TYPE_SLOTS];
+        let mut table4 = [None; TYPE_SLOTS];
         for ty in GgmlType::ALL {
             if let Some(slot) = table.get_mut(ty.id() as usize) {
                 *slot = select(isa, ty);
             }
+            if let Some(slot) = table4.get_mut(ty.id() as usize) {
+                *slot = select4(isa, ty);
+            }
         }
-        Self { isa, table }
+        Self {
+            isa,
+            table,
+            table4,
+            vector: vector::VectorFns::select(isa),
+        }
     }
 
     /// The instruction set this backend runs.
     pub fn isa(&self) -> Isa {
         self.isa
+    }
+
+    /// This ISA's vector kernels (gated GELU, attention dots and updates), chosen with the
+    /// matrix kernels.
+    pub fn vector(&self) -> &vector::VectorFns {
+        &self.vector
     }
 
     /// Whether [`Self::matmul`] accepts weights of type `ty`.
@@ -345,27 +379,36 @@ impl CpuKernels {
         let row_bytes = w.len() / n_rows;
         let geo = Geometry::new(n_rows, n_tokens, k_dim);
         let per_tok = k_dim / act_block(ty);
+        let dot4 = self.table4.get(ty.id() as usize).copied().flatten();
         // SAFETY (for every arm): `new` checked the CPU has this backend's ISA, and
         // `check_weights` checked that each `row_bytes` row holds `per_tok` blocks, the length of
         // every activation row handed to the kernel.
         match (dot, acts.slice()) {
             (RowDot::F32(f), Some(ActSlice::F32(a))) => {
-                run(f, w, row_bytes, a, per_tok, geo, out, tiles)
+                run(f, None, w, row_bytes, a, per_tok, geo, out, tiles)
             }
             (RowDot::F16(f), Some(ActSlice::F16(a))) => {
-                run(f, w, row_bytes, a, per_tok, geo, out, tiles)
+                run(f, None, w, row_bytes, a, per_tok, geo, out, tiles)
             }
             (RowDot::Bf16(f), Some(ActSlice::Bf16(a))) => {
-                run(f, w, row_bytes, a, per_tok, geo, out, tiles)
+                run(f, None, w, row_bytes, a, per_tok, geo, out, tiles)
             }
             (RowDot::Q8_0(f), Some(ActSlice::Q8_0(a))) => {
-                run(f, w, row_bytes, a, per_tok, geo, out, tiles)
+                let f4 = match dot4 {
+                    Some(RowDot4::Q8_0(f4)) => Some(f4),
+                    _ => None,
+                };
+                run(f, f4, w, row_bytes, a, per_tok, geo, out, tiles)
             }
             (RowDot::Q8_1(f), Some(ActSlice::Q8_1(a))) => {
-                run(f, w, row_bytes, a, per_tok, geo, out, tiles)
+                run(f, None, w, row_bytes, a, per_tok, geo, out, tiles)
             }
             (RowDot::Q8K(f), Some(ActSlice::Q8K(a))) => {
-                run(f, w, row_bytes, a, per_tok, geo, out, tiles)
+                let f4 = match dot4 {
+                    Some(RowDot4::Q8K(f4)) => Some(f4),
+                    _ => None,
+                };
+                run(f, f4, w, row_bytes, a, per_tok, geo, out, tiles)
             }
             _ => return Err(self.act_mismatch(ty, acts)),
         }
@@ -463,6 +506,23 @@ fn select(isa: Isa, ty: GgmlType) -> Option<RowDot> {
     }
 }
 
+/// The four-row kernel for weights of type `ty` on `isa`, if there is one (only AVX-512 has
+/// them; elsewhere prefill runs the one-row kernel per token, with the same results).
+fn select4(isa: Isa, ty: GgmlType) -> Option<RowDot4> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        match isa {
+            Isa::Avx512 => avx512::select4(ty),
+            Isa::Scalar | Isa::Avx2 => None,
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (isa, ty);
+        None
+    }
+}
+
 /// How a product is cut into tasks: `tok_tile` tokens × `row_tile` rows each.
 #[derive(Clone, Copy, Debug)]
 struct Geometry {
@@ -509,6 +569,7 @@ impl Geometry {
 /// exactly `per_tok` blocks; `acts` holds `n_tokens` rows of `per_tok` blocks.
 fn run<A: Sync>(
     dot: Dot<A>,
+    dot4: Option<Dot4<A>>,
     w: &[u8],
     row_bytes: usize,
     acts: &[A],
@@ -547,7 +608,19 @@ fn run<A: Sync>(
             let t1 = (t0 + g.tok_tile).min(g.n_tokens);
             for r in r0..r1 {
                 let wr = row(r);
-                for t in t0..t1 {
+                let mut t = t0;
+                if let Some(dot4) = dot4 {
+                    while t + 4 <= t1 {
+                        let a4 = [act(t), act(t + 1), act(t + 2), act(t + 3)];
+                        // SAFETY: see the contract above; `wr` and each `act` are whole rows.
+                        let v = unsafe { dot4(wr, &a4) };
+                        for (k, v) in v.into_iter().enumerate() {
+                            buf[(t + k - t0) * g.row_tile + (r - r0)] = v;
+                        }
+                        t += 4;
+                    }
+                }
+                for t in t..t1 {
                     // SAFETY: see the contract above; `wr` and `act(t)` are whole rows.
                     buf[(t - t0) * g.row_tile + (r - r0)] = unsafe { dot(wr, act(t)) };
                 }

@@ -1,0 +1,535 @@
+//! Vector kernels of the forward pass outside the matrix products: the gated GELU of the
+//! feed-forward block, and the f32 · f32/f16 dot products and `y += a·x` updates of attention
+//! over the KV cache. Scalar twins first (the oracle and the fallback), then AVX2 and AVX-512;
+//! [`VectorFns::select`] picks one set per ISA, once, at backend construction.
+
+use half::f16;
+
+/// `gate[i] = gelu_tanh(gate[i]) · up[i]`.
+pub type GeluMul = fn(&mut [f32], &[f32]);
+/// `Σ a[i] · b[i]` over `a.len()` elements (`b` at least as long).
+pub type Dot<T> = fn(&[f32], &[T]) -> f32;
+/// `y[i] += a · x[i]` over `y.len()` elements (`x` at least as long).
+pub type Axpy<T> = fn(&mut [f32], f32, &[T]);
+
+/// One ISA's vector kernels.
+#[derive(Clone, Copy)]
+pub struct VectorFns {
+    pub gelu_mul: GeluMul,
+    pub dot_f32: Dot<f32>,
+    pub dot_f16: Dot<f16>,
+    pub axpy_f32: Axpy<f32>,
+    pub axpy_f16: Axpy<f16>,
+}
+
+impl VectorFns {
+    /// The kernels for `isa`; only called with an ISA the CPU has (the SIMD functions are safe
+    /// wrappers that rely on it).
+    pub(super) fn select(isa: super::Isa) -> VectorFns {
+        #[cfg(target_arch = "x86_64")]
+        {
+            match isa {
+                super::Isa::Avx512 => return x86::AVX512,
+                super::Isa::Avx2 => return x86::AVX2,
+                super::Isa::Scalar => {}
+            }
+        }
+        let _ = isa;
+        SCALAR
+    }
+}
+
+pub(super) const SCALAR: VectorFns = VectorFns {
+    gelu_mul: gelu_mul_scalar,
+    dot_f32: dot_scalar::<f32>,
+    dot_f16: dot_scalar::<f16>,
+    axpy_f32: axpy_scalar::<f32>,
+    axpy_f16: axpy_scalar::<f16>,
+};
+
+/// √(2/π) and the cubic coefficient of GELU's tanh approximation (ggml's `GELU_COEF_A`).
+const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+const GELU_COEF_A: f32 = 0.044_715;
+
+/// GELU, tanh approximation, written as `x · σ(2z)` with `z = √(2/π)·x·(1 + a·x²)`: the same
+/// function as `0.5·x·(1 + tanh z)` (since `1 + tanh z = 2σ(2z)`), without the cancellation of
+/// `1 + tanh z` for large negative `x`. `exp` overflowing to +∞ gives the right limit, −0.
+#[inline]
+pub fn gelu_tanh(x: f32) -> f32 {
+    let z = SQRT_2_OVER_PI * x * (1.0 + GELU_COEF_A * x * x);
+    x / (1.0 + (-2.0 * z).exp())
+}
+
+fn gelu_mul_scalar(gate: &mut [f32], up: &[f32]) {
+    for (g, &u) in gate.iter_mut().zip(up) {
+        *g = gelu_tanh(*g) * u;
+    }
+}
+
+/// Widening to f32 (exact for f16).
+pub trait Elem: Copy {
+    fn f32(self) -> f32;
+}
+
+impl Elem for f32 {
+    #[inline(always)]
+    fn f32(self) -> f32 {
+        self
+    }
+}
+
+impl Elem for f16 {
+    #[inline(always)]
+    fn f32(self) -> f32 {
+        self.to_f32()
+    }
+}
+
+fn dot_scalar<T: Elem>(a: &[f32], b: &[T]) -> f32 {
+    let b = &b[..a.len()];
+    a.iter().zip(b).map(|(&x, &y)| x * y.f32()).sum()
+}
+
+fn axpy_scalar<T: Elem>(y: &mut [f32], a: f32, x: &[T]) {
+    let x = &x[..y.len()];
+    for (o, &v) in y.iter_mut().zip(x) {
+        *o += a * v.f32();
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    use half::f16;
+
+    use super::{VectorFns, GELU_COEF_A, SQRT_2_OVER_PI};
+
+    pub(in crate::cpu) const AVX512: VectorFns = VectorFns {
+        gelu_mul: gelu_mul_avx512,
+        dot_f32: dot_f32_avx512,
+        dot_f16: dot_f16_avx512,
+        axpy_f32: axpy_f32_avx512,
+        axpy_f16: axpy_f16_avx512,
+    };
+
+    pub(in crate::cpu) const AVX2: VectorFns = VectorFns {
+        gelu_mul: gelu_mul_avx2,
+        dot_f32: dot_f32_avx2,
+        dot_f16: dot_f16_avx2,
+        axpy_f32: axpy_f32_avx2,
+        axpy_f16: axpy_f16_avx2,
+    };
+
+    // The safe wrappers: `VectorFns::select` hands them out only for an ISA the CPU has.
+    macro_rules! wrap {
+        ($name:ident, $inner:ident, ($($arg:ident: $ty:ty),*) $(-> $ret:ty)?) => {
+            fn $name($($arg: $ty),*) $(-> $ret)? {
+                // SAFETY: only reachable through the table of an ISA this CPU supports
+                // (`CpuKernels::new` checked it).
+                unsafe { $inner($($arg),*) }
+            }
+        };
+    }
+    wrap!(gelu_mul_avx512, gelu_mul_512, (g: &mut [f32], u: &[f32]));
+    wrap!(gelu_mul_avx2, gelu_mul_256, (g: &mut [f32], u: &[f32]));
+    wrap!(dot_f32_avx512, dot_f32_512, (a: &[f32], b: &[f32]) -> f32);
+    wrap!(dot_f16_avx512, dot_f16_512, (a: &[f32], b: &[f16]) -> f32);
+    wrap!(dot_f32_avx2, dot_f32_256, (a: &[f32], b: &[f32]) -> f32);
+    wrap!(dot_f16_avx2, dot_f16_256, (a: &[f32], b: &[f16]) -> f32);
+    wrap!(axpy_f32_avx512, axpy_f32_512, (y: &mut [f32], s: f32, x: &[f32]));
+    wrap!(axpy_f16_avx512, axpy_f16_512, (y: &mut [f32], s: f32, x: &[f16]));
+    wrap!(axpy_f32_avx2, axpy_f32_256, (y: &mut [f32], s: f32, x: &[f32]));
+    wrap!(axpy_f16_avx2, axpy_f16_256, (y: &mut [f32], s: f32, x: &[f16]));
+
+    /// exp(x) for x ≤ 88.7 (larger gives +∞): x = n·ln2 + r with |r| ≤ ln2/2 (ln 2 split in
+    /// two for an exact reduction), then Cephes' degree-6 polynomial for e^r (≈ 1 ulp), scaled by
+    /// 2^n with `scalef`. Below −87.3 the result flushes towards 0, as expf does.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    #[inline]
+    fn exp512(x: __m512) -> __m512 {
+        let x = _mm512_min_ps(x, _mm512_set1_ps(88.7));
+        let x = _mm512_max_ps(x, _mm512_set1_ps(-103.0));
+        let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+            _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)),
+        );
+        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_359_4), x);
+        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.121_944_4e-4), r);
+        let mut p = _mm512_set1_ps(1.987_569_1e-4);
+        for c in [
+            1.398_199_9e-3,
+            8.333_452e-3,
+            4.166_579_6e-2,
+            1.666_666_5e-1,
+            0.5,
+        ] {
+            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+        }
+        let r2 = _mm512_mul_ps(r, r);
+        let e = _mm512_fmadd_ps(p, r2, _mm512_add_ps(r, _mm512_set1_ps(1.0)));
+        _mm512_scalef_ps(e, n)
+    }
+
+    /// [`exp512`] on eight lanes; 2^n built in the exponent bits (n clamped to the normal range,
+    /// so the result flushes to 0 below about −87 and saturates to 2^127·e^r above 88).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    fn exp256(x: __m256) -> __m256 {
+        let x = _mm256_min_ps(x, _mm256_set1_ps(88.3));
+        let x = _mm256_max_ps(x, _mm256_set1_ps(-87.3));
+        let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+            _mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)),
+        );
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x);
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
+        let mut p = _mm256_set1_ps(1.987_569_1e-4);
+        for c in [
+            1.398_199_9e-3,
+            8.333_452e-3,
+            4.166_579_6e-2,
+            1.666_666_5e-1,
+            0.5,
+        ] {
+            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+        }
+        let r2 = _mm256_mul_ps(r, r);
+        let e = _mm256_fmadd_ps(p, r2, _mm256_add_ps(r, _mm256_set1_ps(1.0)));
+        let bits = _mm256_slli_epi32::<23>(_mm256_add_epi32(
+            _mm256_cvtps_epi32(n),
+            _mm256_set1_epi32(127),
+        ));
+        _mm256_mul_ps(e, _mm256_castsi256_ps(bits))
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    fn gelu_mul_512(gate: &mut [f32], up: &[f32]) {
+        let n = gate.len();
+        let up = &up[..n];
+        let main = n / 16 * 16;
+        for i in (0..main).step_by(16) {
+            let g = &mut gate[i..i + 16];
+            // SAFETY: `g` and `up[i..i + 16]` are 16 in-bounds f32; `loadu` has no alignment
+            // requirement.
+            let (x, u) = unsafe {
+                (
+                    _mm512_loadu_ps(g.as_ptr()),
+                    _mm512_loadu_ps(up[i..i + 16].as_ptr()),
+                )
+            };
+            let x2 = _mm512_mul_ps(x, x);
+            let inner = _mm512_fmadd_ps(_mm512_set1_ps(GELU_COEF_A), x2, _mm512_set1_ps(1.0));
+            let z = _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(SQRT_2_OVER_PI), x), inner);
+            let e = exp512(_mm512_mul_ps(_mm512_set1_ps(-2.0), z));
+            let y = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0), e));
+            // SAFETY: as above.
+            unsafe { _mm512_storeu_ps(g.as_mut_ptr(), _mm512_mul_ps(y, u)) };
+        }
+        super::gelu_mul_scalar(&mut gate[main..], &up[main..]);
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn gelu_mul_256(gate: &mut [f32], up: &[f32]) {
+        let n = gate.len();
+        let up = &up[..n];
+        let main = n / 8 * 8;
+        for i in (0..main).step_by(8) {
+            let g = &mut gate[i..i + 8];
+            // SAFETY: `g` and `up[i..i + 8]` are 8 in-bounds f32.
+            let (x, u) = unsafe {
+                (
+                    _mm256_loadu_ps(g.as_ptr()),
+                    _mm256_loadu_ps(up[i..i + 8].as_ptr()),
+                )
+            };
+            let x2 = _mm256_mul_ps(x, x);
+            let inner = _mm256_fmadd_ps(_mm256_set1_ps(GELU_COEF_A), x2, _mm256_set1_ps(1.0));
+            let z = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(SQRT_2_OVER_PI), x), inner);
+            let e = exp256(_mm256_mul_ps(_mm256_set1_ps(-2.0), z));
+            let y = _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0), e));
+            // SAFETY: as above.
+            unsafe { _mm256_storeu_ps(g.as_mut_ptr(), _mm256_mul_ps(y, u)) };
+        }
+        super::gelu_mul_scalar(&mut gate[main..], &up[main..]);
+    }
+
+    /// Sixteen f32 from `b` widened from f16 (`i` + 16 ≤ `b.len()`).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    #[inline]
+    fn ld16_f16(b: &[f16], i: usize) -> __m512 {
+        let s = &b[i..i + 16];
+        // SAFETY: `s` is 16 in-bounds f16 (32 bytes).
+        _mm512_cvtph_ps(unsafe { _mm256_loadu_si256(s.as_ptr().cast()) })
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    #[inline]
+    fn ld16_f32(b: &[f32], i: usize) -> __m512 {
+        let s = &b[i..i + 16];
+        // SAFETY: `s` is 16 in-bounds f32.
+        unsafe { _mm512_loadu_ps(s.as_ptr()) }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    fn ld8_f16(b: &[f16], i: usize) -> __m256 {
+        let s = &b[i..i + 8];
+        // SAFETY: `s` is 8 in-bounds f16 (16 bytes).
+        _mm256_cvtph_ps(unsafe { _mm_loadu_si128(s.as_ptr().cast()) })
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    fn ld8_f32(b: &[f32], i: usize) -> __m256 {
+        let s = &b[i..i + 8];
+        // SAFETY: `s` is 8 in-bounds f32.
+        unsafe { _mm256_loadu_ps(s.as_ptr()) }
+    }
+
+    macro_rules! dot512 {
+        ($name:ident, $t:ty, $ld:ident) => {
+            #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+            fn $name(a: &[f32], b: &[$t]) -> f32 {
+                let n = a.len();
+                let b = &b[..n];
+                let mut acc = [_mm512_setzero_ps(); 2];
+                let main = n / 32 * 32;
+                for i in (0..main).step_by(32) {
+                    for (h, acc) in acc.iter_mut().enumerate() {
+                        let o = i + 16 * h;
+                        *acc = _mm512_fmadd_ps(ld16_f32(a, o), $ld(b, o), *acc);
+                    }
+                }
+                let mut s = _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
+                s += super::dot_scalar(&a[main..], &b[main..]);
+                s
+            }
+        };
+    }
+    dot512!(dot_f32_512, f32, ld16_f32);
+    dot512!(dot_f16_512, f16, ld16_f16);
+
+    macro_rules! dot256 {
+        ($name:ident, $t:ty, $ld:ident) => {
+            #[target_feature(enable = "avx2,fma,f16c")]
+            fn $name(a: &[f32], b: &[$t]) -> f32 {
+                let n = a.len();
+                let b = &b[..n];
+                let mut acc = [_mm256_setzero_ps(); 2];
+                let main = n / 16 * 16;
+                for i in (0..main).step_by(16) {
+                    for (h, acc) in acc.iter_mut().enumerate() {
+                        let o = i + 8 * h;
+                        *acc = _mm256_fmadd_ps(ld8_f32(a, o), $ld(b, o), *acc);
+                    }
+                }
+                let v = _mm256_add_ps(acc[0], acc[1]);
+                let v = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+                let v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+                let v = _mm_add_ss(v, _mm_movehdup_ps(v));
+                _mm_cvtss_f32(v) + super::dot_scalar(&a[main..], &b[main..])
+            }
+        };
+    }
+    dot256!(dot_f32_256, f32, ld8_f32);
+    dot256!(dot_f16_256, f16, ld8_f16);
+
+    macro_rules! axpy512 {
+        ($name:ident, $t:ty, $ld:ident) => {
+            #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+            fn $name(y: &mut [f32], s: f32, x: &[$t]) {
+                let n = y.len();
+                let x = &x[..n];
+                let sv = _mm512_set1_ps(s);
+                let main = n / 16 * 16;
+                for i in (0..main).step_by(16) {
+                    let v = _mm512_fmadd_ps(sv, $ld(x, i), ld16_f32(y, i));
+                    let o = &mut y[i..i + 16];
+                    // SAFETY: `o` is 16 in-bounds f32.
+                    unsafe { _mm512_storeu_ps(o.as_mut_ptr(), v) };
+                }
+                super::axpy_scalar(&mut y[main..], s, &x[main..]);
+            }
+        };
+    }
+    axpy512!(axpy_f32_512, f32, ld16_f32);
+    axpy512!(axpy_f16_512, f16, ld16_f16);
+
+    macro_rules! axpy256 {
+        ($name:ident, $t:ty, $ld:ident) => {
+            #[target_feature(enable = "avx2,fma,f16c")]
+            fn $name(y: &mut [f32], s: f32, x: &[$t]) {
+                let n = y.len();
+                let x = &x[..n];
+                let sv = _mm256_set1_ps(s);
+                let main = n / 8 * 8;
+                for i in (0..main).step_by(8) {
+                    let v = _mm256_fmadd_ps(sv, $ld(x, i), ld8_f32(y, i));
+                    let o = &mut y[i..i + 8];
+                    // SAFETY: `o` is 8 in-bounds f32.
+                    unsafe { _mm256_storeu_ps(o.as_mut_ptr(), v) };
+                }
+                super::axpy_scalar(&mut y[main..], s, &x[main..]);
+            }
+        };
+    }
+    axpy256!(axpy_f32_256, f32, ld8_f32);
+    axpy256!(axpy_f16_256, f16, ld8_f16);
+}
+
+#[cfg(test)]
+mod tests {
+    use half::f16;
+
+    use super::{gelu_tanh, VectorFns, SCALAR};
+    use crate::cpu::Isa;
+
+    /// GELU-tanh in f64. The textbook form 0.5·x·(1 + tanh z) loses every digit of `1 + tanh z`
+    /// for x < −7 even in f64 (tanh z rounds to −1), so it is the oracle only above −3; below, the
+    /// identity 1 + tanh z = 2 / (1 + e^(−2z)) is evaluated in f64.
+    fn gelu_f64(x: f64) -> f64 {
+        let z = (2.0 / std::f64::consts::PI).sqrt() * (x + 0.044_715 * x * x * x);
+        if x > -3.0 {
+            0.5 * x * (1.0 + z.tanh())
+        } else {
+            x / (1.0 + (-2.0 * z).exp())
+        }
+    }
+
+    /// |z| of GELU's tanh argument at `x`.
+    fn z_abs(x: f32) -> f64 {
+        let x = f64::from(x);
+        ((2.0 / std::f64::consts::PI).sqrt() * (x + 0.044_715 * x * x * x)).abs()
+    }
+
+    fn inputs(n: usize) -> Vec<f32> {
+        // −12 … 12 unevenly, plus the special points.
+        let mut v: Vec<f32> = (0..n)
+            .map(|i| ((i * 37 % n) as f32 / n as f32 - 0.5) * 24.0)
+            .collect();
+        v.extend([
+            0.0, -0.0, 1e-30, -1e-30, 50.0, -50.0, 100.0, -100.0, 1e-3, -1e-3,
+        ]);
+        v
+    }
+
+    fn sets() -> Vec<(Isa, VectorFns)> {
+        Isa::available()
+            .into_iter()
+            .map(|i| (i, VectorFns::select(i)))
+            .collect()
+    }
+
+    #[test]
+    fn gelu_matches_f64_on_every_isa() {
+        // Bound: a few f32 roundings of each step (z, exp, 1 + e, the division): 8 ulp of the
+        // result; plus the f32 rounding of z itself (a few ulp of |z|), which e^(−2z) turns into
+        // a relative error of |2z| times that: 4·|z| ulp (the function's own conditioning in f32
+        // for x ≪ 0, where the result is e^(2z)·x). Plus an absolute 1e-30 for results that
+        // underflow (the AVX2 exp saturates at 2^127 instead of +∞, leaving |x| / 2^127 ≈ 1e-36
+        // instead of −0).
+        for (isa, f) in sets() {
+            for n in [0, 1, 15, 16, 17, 333] {
+                let x = inputs(n);
+                let mut g = x.clone();
+                let up = vec![1.0f32; g.len()];
+                (f.gelu_mul)(&mut g, &up);
+                for (&xi, &gi) in x.iter().zip(&g) {
+                    let want = gelu_f64(f64::from(xi));
+                    let ulps = 8.0 + 4.0 * z_abs(xi);
+                    let tol = ulps * f64::from(f32::EPSILON) * want.abs() + 1e-30;
+                    assert!(
+                        (f64::from(gi) - want).abs() <= tol,
+                        "{isa} gelu({xi}) = {gi}, f64 {want}"
+                    );
+                }
+            }
+        }
+        // GELU-tanh(1) = 0.8411920 (computed in f64).
+        approx::assert_abs_diff_eq!(gelu_tanh(1.0), 0.841_192, epsilon = 1e-6);
+    }
+
+    #[test]
+    fn gelu_mul_multiplies_by_up() {
+        for (isa, f) in sets() {
+            let x = inputs(40);
+            let up: Vec<f32> = (0..x.len()).map(|i| i as f32 * 0.25 - 3.0).collect();
+            let (mut a, mut b) = (x.clone(), x.clone());
+            (f.gelu_mul)(&mut a, &up);
+            (SCALAR.gelu_mul)(&mut b, &up);
+            for i in 0..a.len() {
+                // Both within the bound of the test above of the f64 value, so within twice it of
+                // each other.
+                let ulps = 2.0 * (8.0 + 4.0 * z_abs(x[i])) as f32;
+                let tol = ulps * f32::EPSILON * b[i].abs() + 1e-30;
+                assert!(
+                    (a[i] - b[i]).abs() <= tol,
+                    "{isa} at {i}: {} vs {}",
+                    a[i],
+                    b[i]
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn dots_and_axpys_match_f64_with_tails() {
+        for (isa, f) in sets() {
+            for n in [0, 1, 7, 8, 15, 16, 31, 32, 33, 256, 257] {
+                let a: Vec<f32> = (0..n)
+                    .map(|i| ((i * 13 % 17) as f32 - 8.0) * 0.37)
+                    .collect();
+                let b32: Vec<f32> = (0..n).map(|i| ((i * 7 % 11) as f32 - 5.0) * 0.61).collect();
+                let b16: Vec<f16> = b32.iter().map(|&v| f16::from_f32(v)).collect();
+                let want32: f64 = a
+                    .iter()
+                    .zip(&b32)
+                    .map(|(&x, &y)| f64::from(x) * f64::from(y))
+                    .sum();
+                let want16: f64 = a
+                    .iter()
+                    .zip(&b16)
+                    .map(|(&x, &y)| f64::from(x) * f64::from(y.to_f32()))
+                    .sum();
+                // n f32 additions: each adds at most ε · Σ|a·b| of error.
+                let scale: f64 = a
+                    .iter()
+                    .zip(&b32)
+                    .map(|(&x, &y)| f64::from((x * y).abs()))
+                    .sum();
+                let tol = (n as f64 + 2.0) * f64::from(f32::EPSILON) * scale * 1.01 + 1e-30;
+                let got32 = f64::from((f.dot_f32)(&a, &b32));
+                let got16 = f64::from((f.dot_f16)(&a, &b16));
+                assert!(
+                    (got32 - want32).abs() <= tol,
+                    "{isa} dot_f32 n {n}: {got32} vs {want32}"
+                );
+                assert!(
+                    (got16 - want16).abs() <= tol,
+                    "{isa} dot_f16 n {n}: {got16} vs {want16}"
+                );
+
+                // axpy: one fused or two roundings per element.
+                let mut y32 = a.clone();
+                let mut y16 = a.clone();
+                (f.axpy_f32)(&mut y32, 0.75, &b32);
+                (f.axpy_f16)(&mut y16, 0.75, &b16);
+                for i in 0..n {
+                    let w32 = f64::from(a[i]) + 0.75 * f64::from(b32[i]);
+                    let w16 = f64::from(a[i]) + 0.75 * f64::from(b16[i].to_f32());
+                    let t = 2.0
+                        * f64::from(f32::EPSILON)
+                        * (f64::from(a[i].abs()) + f64::from(b32[i].abs()))
+                        + 1e-30;
+                    assert!(
+                        (f64::from(y32[i]) - w32).abs() <= t,
+                        "{isa} axpy_f32 n {n} at {i}"
+                    );
+                    assert!(
+                        (f64::from(y16[i]) - w16).abs() <= t,
+                        "{isa} axpy_f16 n {n} at {i}"
+                    );
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,351 @@
+//! `cargo xtask bench`: plumbline beside llama.cpp's `llama-bench` in one run, on the same model
+//! file and thread counts, with llama-bench's definitions of its tests:
+//!
+//! - `pp512`: 512 prompt tokens (BOS, then random ids) in one batch into an empty f16 KV cache,
+//!   logits of the last token only; tokens/s = 512 / time;
+//! - `tg128`: 128 single-token steps from an empty f16 cache (BOS first, then random ids);
+//!   tokens/s = 128 / time.
+//!
+//! Each side is warmed up first (plumbline: one untimed run of each test; llama-bench: its own
+//! warm-up inside every invocation), then the repetitions alternate peer / plumbline so that a
+//! disturbance of the shared machine hits both. Reported: mean ± sample sd of each, the ratio of
+//! the means, the machine's read bandwidth at each thread count (measured in the same run), the
+//! bytes of weights a decoded token reads, and decode's roofline fraction. Writes
+//! `target/bench/report.{json,md}`.
+
+mod peer;
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use engine::model::Model;
+use engine::runtime::{CpuBackend, Engine, KvDtype, Session};
+use harness::throughput::{self, Bandwidth};
+use kernels::cpu::Isa;
+use serde::Serialize;
+
+use crate::fetch_model;
+
+#[derive(clap::Args, Clone)]
+pub struct Args {
+    /// The GGUF model (default: the cached gemma3-270m Q4_K_M)
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Thread counts, comma-separated
+    #[arg(long, value_delimiter = ',', default_value = "1,2")]
+    pub threads: Vec<usize>,
+    /// Timed repetitions of each test on each side (after the warm-up)
+    #[arg(long, default_value_t = 5)]
+    pub reps: usize,
+    /// Prompt tokens of the prefill test
+    #[arg(long, default_value_t = 512)]
+    pub pp: usize,
+    /// Generated tokens of the decode test
+    #[arg(long, default_value_t = 128)]
+    pub tg: usize,
+    /// plumbline's instruction set (default: the widest this CPU has)
+    #[arg(long)]
+    pub isa: Option<String>,
+    /// Run plumbline alone (no llama.cpp build or run)
+    #[arg(long)]
+    pub no_peer: bool,
+    /// Where the reports go
+    #[arg(long, default_value = "target/bench")]
+    pub out: PathBuf,
+}
+
+/// Mean and sample standard deviation of a set of tokens/s figures.
+#[derive(Debug, Clone, Serialize)]
+pub struct Stat {
+    pub mean: f64,
+    pub sd: f64,
+    pub samples: Vec<f64>,
+}
+
+impl Stat {
+    fn new(samples: Vec<f64>) -> Stat {
+        let n = samples.len() as f64;
+        let mean = samples.iter().sum::<f64>() / n.max(1.0);
+        let var = if samples.len() > 1 {
+            samples.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0)
+        } else {
+            0.0
+        };
+        Stat {
+            mean,
+            sd: var.sqrt(),
+            samples,
+        }
+    }
+
+    fn show(&self) -> String {
+        format!("{:.2} ± {:.2}", self.mean, self.sd)
+    }
+}
+
+/// One test at one thread count.
+#[derive(Debug, Clone, Serialize)]
+pub struct Row {
+    pub test: String,
+    pub threads: usize,
+    pub plumbline: Stat,
+    pub llama_cpp: Option<Stat>,
+    /// plumbline / llama.cpp, of the means.
+    pub ratio: Option<f64>,
+    /// Decode only: weight bytes per token ÷ bandwidth ÷ seconds per token.
+    pub roofline: Option<f64>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    pub model: String,
+    pub isa: String,
+    pub peer: Option<String>,
+    pub reps: usize,
+    /// Weight bytes one decoded token reads (every matrix of the forward and the output head;
+    /// the embedding is a one-row gather).
+    pub bytes_per_token: u64,
+    pub bandwidth: Vec<Bandwidth>,
+    pub rows: Vec<Row>,
+}
+
+/// xorshift64*: the random token ids of the tests (llama-bench uses `rand() % n_vocab`; only
+/// their being arbitrary matters).
+struct Ids(u64);
+
+impl Ids {
+    fn next(&mut self, n_vocab: usize) -> u32 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        (self.0.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 33) as u32 % n_vocab.max(1) as u32
+    }
+
+    fn tokens(&mut self, bos: Option<u32>, n: usize, n_vocab: usize) -> Vec<u32> {
+        let mut v: Vec<u32> = bos.into_iter().collect();
+        while v.len() < n {
+            v.push(self.next(n_vocab));
+        }
+        v.truncate(n);
+        v
+    }
+}
+
+fn pp_once(engine: &Engine<'_, CpuBackend>, tokens: &[u32]) -> Result<f64> {
+    let mut s = Session::with_cache(engine, tokens.len() + 1, KvDtype::F16)?;
+    let t = Instant::now();
+    s.forward(tokens, None).context("plumbline prefill")?;
+    Ok(tokens.len() as f64 / t.elapsed().as_secs_f64())
+}
+
+fn tg_once(engine: &Engine<'_, CpuBackend>, tokens: &[u32]) -> Result<f64> {
+    let mut s = Session::with_cache(engine, tokens.len() + 1, KvDtype::F16)?;
+    let t = Instant::now();
+    for &id in tokens {
+        s.forward(&[id], None).context("plumbline decode step")?;
+    }
+    Ok(tokens.len() as f64 / t.elapsed().as_secs_f64())
+}
+
+fn default_model() -> Result<PathBuf> {
+    fetch_model::cached_path("gemma3-270m")?
+        .context("model not fetched: run cargo xtask fetch-model gemma3-270m, or pass --model")
+}
+
+pub fn run(args: Args) -> Result<()> {
+    if args.reps == 0 || args.threads.is_empty() || args.threads.contains(&0) {
+        bail!("expected --reps ≥ 1 and thread counts ≥ 1");
+    }
+    let path = match &args.model {
+        Some(p) => p.clone(),
+        None => default_model()?,
+    };
+    let isa = match &args.isa {
+        Some(name) => Isa::from_name(name)
+            .with_context(|| format!("unknown ISA {name:?}; expected scalar, avx2 or avx512"))?,
+        None => Isa::detect(),
+    };
+    let peer = if args.no_peer {
+        None
+    } else {
+        Some(peer::llama_bench()?)
+    };
+    let model = Model::load(&path).with_context(|| format!("loading {}", path.display()))?;
+    let tok =
+        engine::tokenizer::Tokenizer::from_gguf(model.gguf()).context("loading the tokenizer")?;
+    let bos = tok.add_bos().then(|| tok.bos()).flatten();
+    let n_vocab = model.config().n_vocab;
+    let bytes_per_token: u64 = model
+        .weights()
+        .iter()
+        .skip(1) // the token embedding: one row gathered per token
+        .map(|w| (w.n_mats * w.n_rows * w.row_bytes) as u64)
+        .sum();
+
+    let mut ids = Ids(0x005E_ED0F_B3AC);
+    let mut rows = Vec::new();
+    let mut bandwidth = Vec::new();
+    for &threads in &args.threads {
+        eprintln!("bench: read bandwidth at {threads} thread(s)");
+        let bw = throughput::measure_memory_bandwidth_with(
+            throughput::DEFAULT_BANDWIDTH_BUFFER,
+            throughput::DEFAULT_BANDWIDTH_PASSES,
+            threads,
+        )
+        .context("measuring read bandwidth")?;
+        let backend = CpuBackend::new(Some(isa), Some(threads))?;
+        let engine = Engine::new(&model, &backend).context("preparing the weights")?;
+        let pp_tokens = ids.tokens(bos, args.pp, n_vocab);
+        let tg_tokens = ids.tokens(bos, args.tg, n_vocab);
+        eprintln!("bench: warm-up at {threads} thread(s)");
+        pp_once(&engine, &pp_tokens)?;
+        tg_once(&engine, &tg_tokens)?;
+        let tests = [
+            (format!("pp{}", args.pp), peer::Test::Prompt(args.pp)),
+            (format!("tg{}", args.tg), peer::Test::Gen(args.tg)),
+        ];
+        for (name, test) in tests {
+            let (mut ours, mut theirs) = (Vec::new(), Vec::new());
+            for rep in 0..args.reps {
+                eprintln!("bench: {name} t{threads} rep {}/{}", rep + 1, args.reps);
+                if let Some(bin) = &peer {
+                    theirs.push(peer::run_once(bin, &path, test, threads)?);
+                }
+                ours.push(match test {
+                    peer::Test::Prompt(_) => pp_once(&engine, &pp_tokens)?,
+                    peer::Test::Gen(_) => tg_once(&engine, &tg_tokens)?,
+                });
+            }
+            let plumbline = Stat::new(ours);
+            let llama_cpp = peer.as_ref().map(|_| Stat::new(theirs));
+            let ratio = llama_cpp.as_ref().map(|l| plumbline.mean / l.mean);
+            let roofline = matches!(test, peer::Test::Gen(_))
+                .then(|| {
+                    throughput::roofline_fraction(
+                        bytes_per_token as f64,
+                        bw.bytes_per_s,
+                        1.0 / plumbline.mean,
+                    )
+                })
+                .flatten();
+            rows.push(Row {
+                test: name,
+                threads,
+                plumbline,
+                llama_cpp,
+                ratio,
+                roofline,
+            });
+        }
+        bandwidth.push(bw);
+    }
+    let report = Report {
+        model: path.display().to_string(),
+        isa: isa.name().to_owned(),
+        peer: peer.map(|p| {
+            format!(
+                "llama.cpp (llama-cpp-python {} sdist) {}",
+                peer::VERSION,
+                p.display()
+            )
+        }),
+        reps: args.reps,
+        bytes_per_token,
+        bandwidth,
+        rows,
+    };
+    let md = markdown(&report);
+    print!("{md}");
+    write_reports(&args.out, &report, &md)
+}
+
+fn markdown(r: &Report) -> String {
+    let mut s = String::new();
+    let _ = writeln!(s, "# cargo xtask bench\n");
+    let _ = writeln!(
+        s,
+        "model `{}`, plumbline cpu-{}, {} alternating reps after warm-up; tok/s mean ± sd\n",
+        r.model, r.isa, r.reps
+    );
+    let _ = writeln!(
+        s,
+        "| test | threads | plumbline tok/s | llama.cpp tok/s | ratio | roofline |"
+    );
+    let _ = writeln!(s, "|---|---|---|---|---|---|");
+    for row in &r.rows {
+        let peer = row.llama_cpp.as_ref().map_or("-".to_owned(), Stat::show);
+        let ratio = row.ratio.map_or("-".to_owned(), |x| format!("{x:.2}×"));
+        let roof = row
+            .roofline
+            .map_or("-".to_owned(), |x| format!("{:.0}%", 100.0 * x));
+        let _ = writeln!(
+            s,
+            "| {} | {} | {} | {} | {} | {} |",
+            row.test,
+            row.threads,
+            row.plumbline.show(),
+            peer,
+            ratio,
+            roof
+        );
+    }
+    let _ = writeln!(s);
+    let _ = writeln!(
+        s,
+        "weights read per decoded token: {:.1} MB",
+        r.bytes_per_token as f64 / 1e6
+    );
+    for bw in &r.bandwidth {
+        let _ = writeln!(
+            s,
+            "read bandwidth, {} thread(s): {:.1} GB/s (median of {} passes over {} MiB, best {:.1})",
+            bw.threads,
+            bw.gb_per_s(),
+            bw.passes,
+            bw.buffer_bytes >> 20,
+            bw.best_bytes_per_s / 1e9
+        );
+    }
+    if let Some(p) = &r.peer {
+        let _ = writeln!(s, "peer: {p}");
+    }
+    s
+}
+
+fn write_reports(dir: &Path, r: &Report, md: &str) -> Result<()> {
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let json = serde_json::to_string_pretty(r).context("serializing the bench report")?;
+    let jp = dir.join("report.json");
+    std::fs::write(&jp, json).with_context(|| format!("writing {}", jp.display()))?;
+    let mp = dir.join("report.md");
+    std::fs::write(&mp, md).with_context(|| format!("writing {}", mp.display()))?;
+    eprintln!("bench: wrote {} and {}", jp.display(), mp.display());
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Ids, Stat};
+
+    #[test]
+    fn stat_is_mean_and_sample_sd() {
+        // {1, 2, 3}: mean 2, sample variance ((1 + 0 + 1) / 2) = 1.
+        let s = Stat::new(vec![1.0, 2.0, 3.0]);
+        assert_eq!((s.mean, s.sd), (2.0, 1.0));
+        assert_eq!(Stat::new(vec![4.0]).sd, 0.0);
+    }
+
+    #[test]
+    fn tokens_start_with_bos_and_stay_in_the_vocabulary() {
+        let mut ids = Ids(7);
+        let t = ids.tokens(Some(2), 64, 10);
+        assert_eq!(t.len(), 64);
+        assert_eq!(t[0], 2);
+        assert!(t.iter().all(|&x| x < 10));
+        // Not constant: a generator stuck at one id would make a degenerate prompt.
+        assert!(t[1..].iter().any(|&x| x != t[1]));
+        assert_eq!(ids.tokens(None, 3, 10).len(), 3);
+    }
+}
