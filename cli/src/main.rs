@@ -4,6 +4,8 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+#[cfg(feature = "cuda")]
+mod doctor;
 mod dump;
 mod generate;
 mod inspect;
@@ -33,6 +35,9 @@ enum Command {
     Perplexity(perplexity::Args),
     /// Show the token ids and pieces of a text under a model's vocabulary
     Tokenize(tokenize::Args),
+    /// Preflight: CPU, CUDA driver, NVRTC, devices, kernels compiled and run, the model; root causes
+    #[cfg(feature = "cuda")]
+    Doctor(doctor::Args),
 }
 
 fn main() -> ExitCode {
@@ -47,6 +52,8 @@ fn main() -> ExitCode {
         Command::Generate(args) => generate::run(args),
         Command::Perplexity(args) => perplexity::run(args),
         Command::Tokenize(args) => tokenize::run(args),
+        #[cfg(feature = "cuda")]
+        Command::Doctor(args) => doctor::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
