@@ -4,6 +4,8 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+#[cfg(feature = "cuda")]
+mod doctor;
 mod dump;
 mod generate;
 mod inspect;
@@ -36,6 +38,9 @@ enum Command {
     Tokenize(tokenize::Args),
     /// Tree speculation on code, repetitive text and prose: τ and speedup over plain decoding
     SpecBench(spec_bench::Args),
+    /// Preflight: CPU, CUDA driver, NVRTC, devices, kernels compiled and run, the model; root causes
+    #[cfg(feature = "cuda")]
+    Doctor(doctor::Args),
 }
 
 fn main() -> ExitCode {
@@ -51,6 +56,8 @@ fn main() -> ExitCode {
         Command::Perplexity(args) => perplexity::run(args),
         Command::Tokenize(args) => tokenize::run(args),
         Command::SpecBench(args) => spec_bench::run(args),
+        #[cfg(feature = "cuda")]
+        Command::Doctor(args) => doctor::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

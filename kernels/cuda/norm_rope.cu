@@ -3,8 +3,8 @@
 // RMSNorm of each row of `width` values, times `weight`: one block (256 threads) per row; the
 // mean of squares summed in f64, as the CPU does. Twin: engine::runtime::cpu::rms_norm_row
 // (ggml's rms_norm: x · 1/√(mean + eps), then the separate multiply by the weight). In place
-// when out == x.
-extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __restrict__ weight,
+// when out == x, so x is not __restrict__ (each thread reads an element before writing it).
+extern "C" __global__ void rms_norm(const float* x, const float* __restrict__ weight,
                                     float* out, u32 width, float eps) {
     __shared__ double scratch[32];
     const float* xr = x + (u64)blockIdx.x * width;

@@ -35,6 +35,7 @@ const RUN_SH: &str = r#"#!/bin/sh
 set -eu
 here="$(cd "$(dirname "$0")" && pwd)"
 export PLUMBLINE_KERNEL_CACHE="${PLUMBLINE_KERNEL_CACHE:-$here/kernel-cache}"
+mkdir -p "$here/extracted"
 rc=0
 "$here/cargo-nextest" nextest run \
   --archive-file "$here/plumbline-gpu-tests.tar.zst" \
@@ -42,7 +43,7 @@ rc=0
   --workspace-remap "$here" \
   --config-file "$here/nextest.toml" \
   --profile gpu "$@" || rc=$?
-cp "$here/extracted/target/nextest/gpu/junit.xml" "$here/junit.xml" 2>/dev/null || true
+cp "$here/target/nextest/gpu/junit.xml" "$here/junit.xml" 2>/dev/null || true
 exit $rc
 "#;
 
@@ -93,6 +94,11 @@ pub fn run(args: Args) -> Result<()> {
             copy(&p, &src_dir.join(name))?;
         }
     }
+    // nextest's --workspace-remap wants a workspace root (a Cargo.toml) and the package folder
+    // the tests run in; the tests read nothing from either (the kernel sources are compiled in).
+    std::fs::write(out.join("Cargo.toml"), "[workspace]\n")
+        .context("writing the placeholder Cargo.toml")?;
+    std::fs::create_dir_all(out.join("engine")).context("creating engine/")?;
     let run_sh = out.join("run.sh");
     std::fs::write(&run_sh, RUN_SH).with_context(|| format!("writing {}", run_sh.display()))?;
     set_executable(&run_sh)?;

@@ -81,7 +81,7 @@ fn yarn_ramp(low: f32, high: f32, i0: usize) -> f32 {
 }
 
 /// ggml's `ggml_rope_yarn_corr_dims`.
-fn yarn_corr_dims(
+pub(crate) fn yarn_corr_dims(
     n_dims: usize,
     n_ctx_orig: usize,
     base: f32,

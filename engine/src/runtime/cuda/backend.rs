@@ -30,6 +30,7 @@ use super::nvrtc::Nvrtc;
 use super::sources::FILES;
 use crate::model::{Activation, Gating, MoeConfig, RopeConfig, RopeStyle};
 use crate::runtime::backend::{AttnMeta, Backend, KvDtype, KvSource, Strided, WeightData};
+use crate::runtime::cpu::yarn_corr_dims;
 use crate::runtime::error::check_len;
 use crate::runtime::RuntimeError;
 
@@ -552,11 +553,16 @@ fn entry_points(program: &str) -> Vec<String> {
 
 /// `plumbline doctor`'s device check: open the backend on `ordinal` (which compiles and loads
 /// every kernel) and run known-answer products and ops; a one-line summary or the root cause.
-pub fn self_test(ordinal: usize) -> Result<String, CudaError> {
-    let b = CudaBackend::open(ordinal)?;
+pub fn self_test(
+    ordinal: usize,
+    search: &LibrarySearch,
+    cache: &KernelCache,
+) -> Result<String, CudaError> {
+    let b = CudaBackend::new(ordinal, search, cache)?;
     let fail = |what: &str, e: RuntimeError| CudaError::Driver(format!("known-answer {what}: {e}"));
-    // Q8_0 row of 32 values 1..=32 with d = 1 (exact), times x = 1: Σ = 528, exactly
-    // representable; the q8_1 activation of all-ones is exact too.
+    // A Q8_0 row of the values 1..=32 with d = 1, times x = 127 everywhere: the q8_1
+    // activations are then exact too (d = 127/127 = 1, q = 127), and Σ (i+1)·127 = 67056 is
+    // exact in f32, so any deviation is a kernel or loading fault, not rounding.
     let mut block = vec![0u8; 34];
     block[..2].copy_from_slice(&half::f16::ONE.to_bits().to_le_bytes());
     for i in 0..32 {
@@ -572,16 +578,16 @@ pub fn self_test(ordinal: usize) -> Result<String, CudaError> {
             data: std::borrow::Cow::Owned(block),
         })
         .map_err(|e| fail("prepare", e))?;
-    let x = b.upload(&[1.0; 32]).map_err(|e| fail("upload", e))?;
+    let x = b.upload(&[127.0; 32]).map_err(|e| fail("upload", e))?;
     let mut out = b.alloc(1).map_err(|e| fail("alloc", e))?;
     b.matmul(&w, &x, 1, &mut out)
         .map_err(|e| fail("q8_0 matmul", e))?;
     let mut host = Vec::new();
     b.download(&out, &mut host)
         .map_err(|e| fail("download", e))?;
-    if host.first() != Some(&528.0) {
+    if host.first() != Some(&67056.0) {
         return Err(CudaError::Driver(format!(
-            "known-answer q8_0 product: expected 528, found {host:?}"
+            "known-answer q8_0 product: expected 67056, found {host:?}"
         )));
     }
     let mut y = b.upload(&[1.0, 2.0, 3.0]).map_err(|e| fail("upload", e))?;
@@ -1508,23 +1514,6 @@ impl Backend for CudaBackend {
             ],
         )
     }
-}
-
-/// ggml's `ggml_rope_yarn_corr_dims` (twin: engine::runtime::cpu::yarn_corr_dims).
-fn yarn_corr_dims(
-    n_dims: usize,
-    n_ctx_orig: usize,
-    base: f32,
-    beta_fast: f32,
-    beta_slow: f32,
-) -> [f32; 2] {
-    let corr = |n_rot: f32| {
-        n_dims as f32 * (n_ctx_orig as f32 / (n_rot * 2.0 * std::f32::consts::PI)).ln()
-            / (2.0 * base.ln())
-    };
-    let start = corr(beta_fast).floor();
-    let end = corr(beta_slow).ceil();
-    [start.max(0.0), end.min(n_dims as f32 - 1.0)]
 }
 
 #[cfg(test)]
