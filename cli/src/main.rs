@@ -9,6 +9,7 @@ mod generate;
 mod inspect;
 mod perplexity;
 mod tokenize;
+mod tp_plan;
 
 #[derive(Parser)]
 #[command(
@@ -33,6 +34,8 @@ enum Command {
     Perplexity(perplexity::Args),
     /// Show the token ids and pieces of a text under a model's vocabulary
     Tokenize(tokenize::Args),
+    /// Show how N tensor-parallel ranks hold the model and the communication per token
+    TpPlan(tp_plan::Args),
 }
 
 fn main() -> ExitCode {
@@ -47,6 +50,7 @@ fn main() -> ExitCode {
         Command::Generate(args) => generate::run(args),
         Command::Perplexity(args) => perplexity::run(args),
         Command::Tokenize(args) => tokenize::run(args),
+        Command::TpPlan(args) => tp_plan::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

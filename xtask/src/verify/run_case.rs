@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use anyhow::{anyhow, Context, Result};
 use engine::model::Model;
-use engine::runtime::{CpuBackend, Engine, Session};
+use engine::runtime::{CpuBackend, Engine};
 use engine::taps::TapRecorder;
 use engine::tokenizer::Tokenizer;
 use harness::cases::{Backend, Case};
@@ -107,7 +107,7 @@ fn text_tokens(tokenizer: &Tokenizer, n: usize) -> Result<Vec<u32>> {
     Ok(tokens)
 }
 
-fn argmax(row: &[f32]) -> u32 {
+pub(super) fn argmax(row: &[f32]) -> u32 {
     coherence::logits::argmax(row).unwrap_or(0) as u32
 }
 
@@ -183,17 +183,29 @@ pub fn run(
     let ctx = case.context()?;
     let isa =
         isa_of(case.backend).ok_or_else(|| anyhow!("{} is not a CPU backend", case.backend))?;
-    let model = Model::load(env.path).with_context(|| format!("loading {}", env.path.display()))?;
+    let split = super::tp_case::split_source(case, env.path)?;
+    let model = match &split {
+        Some(s) => Model::load_listed(&s.listing).context("loading the split set as listed")?,
+        None => Model::load(env.path).with_context(|| format!("loading {}", env.path.display()))?,
+    };
     let tokenizer = Tokenizer::from_gguf(model.gguf()).context("loading the tokenizer")?;
     let backend = CpuBackend::new(Some(isa), Some(env.threads))?;
     let engine = Engine::new(&model, &backend).context("preparing the weights")?;
+    let tp_model = super::tp_case::tp_model(&model, case)?;
+    let tp_backends = super::tp_case::backends(case, isa, env.threads)?;
+    let tp_engine = super::tp_case::tp_engine(tp_model.as_ref(), &tp_backends)?;
+    let fwd: &dyn super::tp_case::Forward = match &tp_engine {
+        Some(e) => e,
+        None => &engine,
+    };
     let budget = Budget::for_model(env.real);
-    let reference = refs.get(env.path, &tokenizer, budget)?;
+    let ref_path = split.as_ref().map_or(env.path, |s| s.merged.as_path());
+    let reference = refs.get(ref_path, &tokenizer, budget)?;
     let n_vocab = reference.n_vocab;
 
     // Teacher-forced: the same tokens, one batched forward, every tap and every position's logits.
     let mut recorder = TapRecorder::new();
-    let mut session = Session::new(&engine, 4096)?;
+    let mut session = fwd.session(4096)?;
     session.set_logits_all(true);
     let logits = session
         .forward(&reference.tokens, Some(&mut recorder))
@@ -239,7 +251,7 @@ pub fn run(
     }
 
     // Greedy continuation: equal to the reference's for the first tokens, and not degenerate.
-    let (generated, gen_logits) = greedy(&engine, &reference.prompt, budget.n_generate)?;
+    let (generated, gen_logits) = greedy(fwd, &reference.prompt, budget.n_generate)?;
     // A divergence at a near-tie passes. The engine quantizes activations to Q8 before each
     // product and the reference does not, so two close logits may trade places: on the real model
     // the scalar kernels flip one greedy step where the reference's lead is 0.34 nats and the
@@ -281,9 +293,24 @@ pub fn run(
         figures.push(Figure::new("max_nmse", first, ""));
     }
 
+    if let Some(s) = &split {
+        gates.push(super::tp_case::split_gate(
+            s,
+            isa,
+            env.threads,
+            &reference.tokens,
+            &logits.data,
+        )?);
+    }
+    if let Some(e) = &tp_engine {
+        let (f, gate) = super::tp_case::comm_report(e, &reference.prompt, 16)?;
+        figures.extend(f);
+        gates.push(gate);
+    }
+
     let mut measured = None;
     if env.bench {
-        let m = bench(&engine, &reference.tokens, budget)?;
+        let m = bench(fwd, &reference.tokens, budget)?;
         figures.push(Figure::new("prefill_tps", m.prefill_tps, "tok/s"));
         figures.push(Figure::new("decode_tps", m.decode_tps, "tok/s"));
         if let Some(bw) = env.bandwidth {
@@ -335,11 +362,11 @@ fn bos_gate(bos: Option<u32>, fed: &[(&str, &[u32])]) -> GateResult {
 
 /// Greedy decoding through the KV cache; returns the new ids and their logits rows.
 fn greedy(
-    engine: &Engine<'_, CpuBackend>,
+    engine: &dyn super::tp_case::Forward,
     prompt: &[u32],
     n: usize,
 ) -> Result<(Vec<u32>, Vec<f32>)> {
-    let mut session = Session::new(engine, prompt.len() + n + 1)?;
+    let mut session = engine.session(prompt.len() + n + 1)?;
     let mut logits = session.forward(prompt, None).context("engine prefill")?;
     let mut ids = Vec::with_capacity(n);
     let mut rows = Vec::with_capacity(n * logits.n_vocab);
@@ -361,12 +388,12 @@ struct Speed {
 }
 
 /// Prefill and decode tokens/s, median of `runs`.
-fn bench(engine: &Engine<'_, CpuBackend>, tokens: &[u32], budget: Budget) -> Result<Speed> {
+fn bench(engine: &dyn super::tp_case::Forward, tokens: &[u32], budget: Budget) -> Result<Speed> {
     let n_decode = 16;
     let mut prefill = Vec::new();
     let mut decode = Vec::new();
     for _ in 0..budget.bench_runs {
-        let mut session = Session::new(engine, tokens.len() + n_decode + 1)?;
+        let mut session = engine.session(tokens.len() + n_decode + 1)?;
         let t = Instant::now();
         let mut logits = session.forward(tokens, None)?;
         prefill.push(tokens.len() as f64 / t.elapsed().as_secs_f64());
