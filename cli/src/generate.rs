@@ -83,6 +83,9 @@ pub struct Args {
     pub seed: Option<u64>,
     #[command(flatten)]
     pub run: RunArgs,
+    /// Tensor-parallel ranks (threads on this host, `shm`); 1 runs the model whole
+    #[arg(long, default_value_t = 1)]
+    pub tp: usize,
     /// Print one JSON object (ids, text, throughput) instead of streaming text
     #[arg(long)]
     pub json: bool,
@@ -320,13 +323,16 @@ pub fn run(args: Args) -> Result<()> {
 
     let n_ctx = prompt_ids.len() + args.max_tokens;
     let engine = Engine::new(&model, &backend).context("preparing the weights")?;
-    let mut session = Session::new(&engine, n_ctx)?;
+    let tp_model = crate::tp_plan::tp_model(&model, args.tp)?;
+    let tp_backends = crate::tp_plan::tp_backends(args.tp, &args.run)?;
+    let tp_engine = crate::tp_plan::tp_engine(tp_model.as_ref(), &tp_backends)?;
+    let mut session = crate::tp_plan::GenSession::new(&engine, tp_engine.as_ref(), n_ctx)?;
     let mut stdout = std::io::stdout().lock();
     let mut decoder = tokenizer.stream_decoder();
 
     let t0 = Instant::now();
     let mut logits = session
-        .forward(&prompt_ids, None)
+        .forward(&prompt_ids)
         .context("prefilling the prompt")?;
     let prefill_s = t0.elapsed().as_secs_f64();
 
@@ -353,7 +359,7 @@ pub fn run(args: Args) -> Result<()> {
         }
         let t = Instant::now();
         logits = session
-            .forward(&[id], None)
+            .forward(&[id])
             .with_context(|| format!("decoding at position {}", session.n_past()))?;
         decode_s += t.elapsed().as_secs_f64();
         n_decode_steps += 1;
@@ -377,6 +383,8 @@ pub fn run(args: Args) -> Result<()> {
             "backend": backend.name(),
             "isa": backend.isa().name(),
             "threads": backend.threads(),
+            "tp": args.tp,
+            "communicator": tp_engine.as_ref().map_or("none", |e| e.comm_kind()),
         });
         writeln!(stdout, "{}", serde_json::to_string_pretty(&out)?)?;
     } else {

@@ -12,6 +12,7 @@ mod inspect;
 mod perplexity;
 mod spec_bench;
 mod tokenize;
+mod tp_plan;
 
 #[derive(Parser)]
 #[command(
@@ -41,6 +42,8 @@ enum Command {
     /// Preflight: CPU, CUDA driver, NVRTC, devices, kernels compiled and run, the model; root causes
     #[cfg(feature = "cuda")]
     Doctor(doctor::Args),
+    /// Show how N tensor-parallel ranks hold the model and the communication per token
+    TpPlan(tp_plan::Args),
 }
 
 fn main() -> ExitCode {
@@ -58,6 +61,7 @@ fn main() -> ExitCode {
         Command::SpecBench(args) => spec_bench::run(args),
         #[cfg(feature = "cuda")]
         Command::Doctor(args) => doctor::run(args),
+        Command::TpPlan(args) => tp_plan::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

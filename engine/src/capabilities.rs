@@ -45,7 +45,8 @@ pub fn capabilities() -> Capabilities {
         cpu_threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
         cuda_devices: Vec::new(),
         cuda_backend: false,
-        tensor_parallel: false,
+        // CPU ranks over `shm` (crate::tp); CUDA/NCCL communicators are not built yet.
+        tensor_parallel: true,
         speculative: false,
         kv_dtypes: vec![crate::runtime::KvDtype::F32, crate::runtime::KvDtype::F16],
     }

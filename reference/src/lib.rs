@@ -23,6 +23,7 @@ mod gguf;
 pub mod numerics;
 mod ops;
 pub mod tokenizer;
+pub mod split;
 
 use std::path::Path;
 
@@ -143,6 +144,19 @@ impl ReferenceModel {
             });
         }
         Ok(model)
+    }
+
+    /// Load a split set from its shard files listed in any order: [`split::merge`] writes one
+    /// plain file (`merged`, removed afterwards), which [`ReferenceModel::load`] reads.
+    pub fn load_listed(
+        paths: &[std::path::PathBuf],
+        merged: &Path,
+        precision: Precision,
+    ) -> Result<Self, ReferenceError> {
+        split::merge(paths, merged)?;
+        let model = Self::load(merged, precision);
+        let _ = std::fs::remove_file(merged);
+        model
     }
 
     /// `general.architecture`: `llama`, `gemma3` or `deepseek2`.

@@ -91,7 +91,17 @@ impl Gguf {
     /// Opens a GGUF file. If it is a shard of a gguf-split set (any shard, named
     /// `PREFIX-NNNNN-of-NNNNN.gguf`), opens and checks the whole set from the same directory.
     pub fn open(path: impl AsRef<Path>) -> Result<Gguf, GgufError> {
-        let files = split::load_set(path.as_ref())?;
+        Gguf::from_files(split::load_set(path.as_ref())?)
+    }
+
+    /// Opens a split set from its shard files listed in any order (a directory scan, a
+    /// manifest): each is placed by its own `split.no`, not by its place in the list, and the
+    /// set is checked as [`Gguf::open`] checks it (complete, no duplicates, one `split.count`).
+    pub fn open_listed<P: AsRef<Path>>(paths: &[P]) -> Result<Gguf, GgufError> {
+        Gguf::from_files(split::load_listed(paths)?)
+    }
+
+    fn from_files(files: Vec<reader::ParsedFile>) -> Result<Gguf, GgufError> {
         let mut shards = Vec::with_capacity(files.len());
         let mut maps = Vec::with_capacity(files.len());
         let mut tensors = Vec::new();

@@ -126,6 +126,79 @@ pub(crate) fn load_set(path: &Path) -> Result<Vec<ParsedFile>, GgufError> {
     Ok(files)
 }
 
+/// The shard files `paths`, listed in any order, parsed and put in `split.no` order, then
+/// checked as a set. The `split-listing-order` fault keeps each shard's header but maps the
+/// data of the file at the same place in the *listing*, as a loader that trusted the listing
+/// would.
+pub(crate) fn load_listed<P: AsRef<Path>>(paths: &[P]) -> Result<Vec<ParsedFile>, GgufError> {
+    let mut files = Vec::with_capacity(paths.len());
+    for p in paths {
+        files.push(read_file(p.as_ref())?);
+    }
+    let Some(first) = files.first() else {
+        return Err(GgufError::SplitName {
+            path: PathBuf::new(),
+            expected: "at least one shard file".into(),
+            found: "an empty list".into(),
+        });
+    };
+    let count = match split_keys(&first.metadata).count {
+        Some(c) => c,
+        None if files.len() == 1 => return Ok(files),
+        None => {
+            return Err(GgufError::ShardForeign {
+                path: first.info.path.clone(),
+                key: KEY_SPLIT_COUNT,
+                expected: format!("u16 {}", files.len()),
+                found: show(&first.metadata, KEY_SPLIT_COUNT),
+            })
+        }
+    };
+    if usize::from(count) != files.len() {
+        // Name the first shard number the listing lacks.
+        let have: Vec<Option<u16>> = files.iter().map(|f| split_keys(&f.metadata).no).collect();
+        let no = (0..count)
+            .find(|n| !have.contains(&Some(*n)))
+            .unwrap_or(count);
+        let prefix = parse_split_path(&first.info.path).map_or_else(
+            || first.info.path.with_extension(""),
+            |(prefix, _, _)| prefix,
+        );
+        return Err(GgufError::ShardMissing {
+            path: split_path(prefix, no, count),
+            no,
+            count,
+        });
+    }
+    let mut order: Vec<usize> = (0..files.len()).collect();
+    order.sort_by_key(|&i| split_keys(&files[i].metadata).no.unwrap_or(u16::MAX));
+    let mut slots: Vec<Option<ParsedFile>> = files.into_iter().map(Some).collect();
+    let mut sorted: Vec<ParsedFile> = order.iter().filter_map(|&i| slots[i].take()).collect();
+    check_set(&sorted, count)?;
+    if crate::faults::is_active(crate::faults::Fault::SplitListingOrder) {
+        // The bug: shard k's tensors read the bytes of the k-th file listed.
+        let mut maps: Vec<Option<super::reader::Backing>> = sorted
+            .iter_mut()
+            .map(|f| {
+                Some(std::mem::replace(
+                    &mut f.bytes,
+                    super::reader::Backing::Empty,
+                ))
+            })
+            .collect();
+        let mut sorted_pos = vec![0; order.len()];
+        for (k, &listed) in order.iter().enumerate() {
+            sorted_pos[listed] = k;
+        }
+        for (k, f) in sorted.iter_mut().enumerate() {
+            if let Some(m) = maps[sorted_pos[k]].take() {
+                f.bytes = m;
+            }
+        }
+    }
+    Ok(sorted)
+}
+
 /// Checks that `files` (in name order) form one complete set of `count` shards.
 fn check_set(files: &[ParsedFile], count: u16) -> Result<(), GgufError> {
     let keys: Vec<SplitKeys> = files.iter().map(|f| split_keys(&f.metadata)).collect();

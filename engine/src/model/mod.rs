@@ -133,6 +133,11 @@ impl Model {
         Model::from_gguf(Gguf::open(path)?)
     }
 
+    /// Load a split set from its shard files listed in any order ([`Gguf::open_listed`]).
+    pub fn load_listed<P: AsRef<Path>>(paths: &[P]) -> Result<Model, ModelError> {
+        Model::from_gguf(Gguf::open_listed(paths)?)
+    }
+
     /// Load the model of an opened file: read the configuration, then find and check every
     /// tensor (name, dims, type, byte length).
     pub fn from_gguf(gguf: Gguf) -> Result<Model, ModelError> {

@@ -87,6 +87,42 @@ const FAULTS: &[Expectation] = &[
         case: "llama/q4_k_m/*/tp1-shm/off",
         expect: "blk.0.q",
     },
+    // The split set is written one layer per shard (shard 0: metadata and globals), so shards 1
+    // and 2 have the same layout; listed 0, 2, 1, a loader that trusts the listing reads layer 1's
+    // bytes for layer 0, whose first weighted tap is its attention norm.
+    Expectation {
+        fault: Fault::SplitListingOrder,
+        case: "llama@split-021/q8_0/*/tp1-shm/off",
+        expect: "blk.0.attn_norm",
+    },
+    // Rank 0 holds rank 1's query rows: the gathered queries have their two halves swapped, while
+    // the attention norm before them is replicated and right.
+    Expectation {
+        fault: Fault::TpQkvShardOrder,
+        case: "llama/f16/*/tp2-shm/off",
+        expect: "blk.0.q",
+    },
+    // Each rank keeps its partial sum of the row-parallel output projection; the gathered
+    // attention before it is right.
+    Expectation {
+        fault: Fault::TpMissingAttnAllReduce,
+        case: "llama/f16/*/tp2-shm/off",
+        expect: "blk.0.attn_out",
+    },
+    // Every tap up to the head is right; the gathered logits have their vocabulary halves swapped.
+    Expectation {
+        fault: Fault::TpVocabGatherOrder,
+        case: "llama/f16/*/tp2-shm/off",
+        expect: "logits",
+    },
+    // deepseek2 (Q4_K experts of 256 cannot split over 2 ranks: expert parallel): each rank routes
+    // to its own experts but holds the other rank's weights; the router is replicated and right,
+    // so the first MoE layer's mix (layer 0 is dense) is the first tap to differ.
+    Expectation {
+        fault: Fault::TpExpertWrongRank,
+        case: "deepseek2/q4_k/*/tp2-shm/off",
+        expect: "blk.1.ffn_out",
+    },
     // Each side tokenizes with its own tokenizer: the engine's ids lack the BOS the reference's
     // have, and the `tokens` gate (judged before any tap) is the finding.
     Expectation {

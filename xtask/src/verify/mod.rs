@@ -7,6 +7,7 @@ mod faults;
 mod isolate;
 mod models;
 mod run_case;
+mod tp_case;
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -95,10 +96,12 @@ fn machine_caps() -> MachineCaps {
 
 pub fn verify(args: &Args) -> Result<Report> {
     let started = Instant::now();
-    let models = models::discover(&args.out.join("fixtures"))?;
-    let machine = machine_caps().with_models(&models.entries);
+    let mut models = models::discover(&args.out.join("fixtures"))?;
+    let mut machine = machine_caps().with_models(&models.entries);
     let filter = Filter::new(&args.filter, &args.only, &args.exclude)?;
-    let cases = filter.apply(Matrix::enumerate(&models.entries, &machine));
+    let mut all = Matrix::enumerate(&models.entries, &machine);
+    tp_case::extend(&mut all, &mut models, &mut machine);
+    let cases = filter.apply(all);
     if cases.is_empty() {
         bail!("no case matches the filters");
     }

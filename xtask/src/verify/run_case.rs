@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use anyhow::{anyhow, Context, Result};
 use engine::model::Model;
-use engine::runtime::{CpuBackend, Engine, Session};
+use engine::runtime::{CpuBackend, Engine};
 use engine::taps::TapRecorder;
 use engine::tokenizer::Tokenizer;
 use harness::cases::{Backend, Case};
@@ -109,7 +109,7 @@ fn truncate_text(ids: &[u32], n: usize) -> Result<Vec<u32>> {
     Ok(ids[..n.min(ids.len())].to_vec())
 }
 
-fn argmax(row: &[f32]) -> u32 {
+pub(super) fn argmax(row: &[f32]) -> u32 {
     coherence::logits::argmax(row).unwrap_or(0) as u32
 }
 
@@ -260,12 +260,24 @@ pub fn run(
     let ctx = case.context()?;
     let isa =
         isa_of(case.backend).ok_or_else(|| anyhow!("{} is not a CPU backend", case.backend))?;
-    let model = Model::load(env.path).with_context(|| format!("loading {}", env.path.display()))?;
+    let split = super::tp_case::split_source(case, env.path)?;
+    let model = match &split {
+        Some(s) => Model::load_listed(&s.listing).context("loading the split set as listed")?,
+        None => Model::load(env.path).with_context(|| format!("loading {}", env.path.display()))?,
+    };
     let tokenizer = Tokenizer::from_gguf(model.gguf()).context("loading the tokenizer")?;
     let backend = CpuBackend::new(Some(isa), Some(env.threads))?;
     let engine = Engine::new(&model, &backend).context("preparing the weights")?;
+    let tp_model = super::tp_case::tp_model(&model, case)?;
+    let tp_backends = super::tp_case::backends(case, isa, env.threads)?;
+    let tp_engine = super::tp_case::tp_engine(tp_model.as_ref(), &tp_backends)?;
+    let fwd: &dyn super::tp_case::Forward = match &tp_engine {
+        Some(e) => e,
+        None => &engine,
+    };
     let budget = Budget::for_model(env.real);
-    let reference = refs.get(env.path, budget, env.real)?;
+    let ref_path = split.as_ref().map_or(env.path, |s| s.merged.as_path());
+    let reference = refs.get(ref_path, budget, env.real)?;
     let n_vocab = reference.n_vocab;
 
     // Each side tokenizes with its own tokenizer; the `tokens` gate requires the same ids.
@@ -294,7 +306,7 @@ pub fn run(
 
     // Teacher-forced: the same tokens, one batched forward, every tap and every position's logits.
     let mut recorder = TapRecorder::new();
-    let mut session = Session::new(&engine, 4096)?;
+    let mut session = fwd.session(4096)?;
     session.set_logits_all(true);
     let logits = session
         .forward(&engine_tokens, Some(&mut recorder))
@@ -352,7 +364,8 @@ pub fn run(
     gates.extend(stats.gates(&thresholds));
 
     // Greedy continuation: equal to the reference's for the first tokens, and not degenerate.
-    let (generated, gen_logits) = greedy(&engine, &engine_prompt, budget.n_generate)?;
+    let ref_path = split.as_ref().map_or(env.path, |s| s.merged.as_path());
+    let reference = refs.get(ref_path, budget, env.real)?;
     // A divergence at a near-tie passes. The engine quantizes activations to Q8 before each
     // product and the reference does not, so two close logits may trade places: on the real model
     // the scalar kernels flip one greedy step where the reference's lead is 0.34 nats and the
@@ -392,16 +405,24 @@ pub fn run(
     figures.push(Figure::new("isolated_max_nmse", max_nmse(&isolated), ""));
     figures.push(Figure::new("exact_e2e_max_nmse", max_nmse(&exact_e2e), ""));
 
+    if let Some(s) = &split {
+        gates.push(super::tp_case::split_gate(
+            s,
+            isa,
+            env.threads,
+            &reference.tokens,
+            &logits.data,
+        )?);
+    }
+    if let Some(e) = &tp_engine {
+        let (f, gate) = super::tp_case::comm_report(e, &reference.prompt, 16)?;
+        figures.extend(f);
+        gates.push(gate);
+    }
+
     let mut measured = None;
-    // Throughput is judged on the real model only: a fixture's forward pass takes microseconds,
-    // so its tokens/s on a shared machine is noise, not a signal.
-    if env.bench && env.real {
-        let tensors = model.gguf().tensors();
-        let weights = WeightSize {
-            bytes: tensors.iter().map(|t| t.n_bytes).sum::<u64>() as f64,
-            elements: tensors.iter().map(|t| t.n_elements()).sum::<u64>() as f64,
-        };
-        let m = bench(&engine, &engine_tokens, budget, weights, env.threads)?;
+    let ref_path = split.as_ref().map_or(env.path, |s| s.merged.as_path());
+    let reference = refs.get(ref_path, budget, env.real)?;
         figures.push(Figure::new("prefill_tps", m.prefill_tps, "tok/s"));
         figures.push(Figure::new("decode_tps", m.decode_tps, "tok/s"));
         figures.push(Figure::new("prefill_ratio", m.ratios.prefill_ratio, ""));
@@ -478,11 +499,11 @@ fn bos_gate(bos: Option<u32>, fed: &[(&str, &[u32])]) -> GateResult {
 
 /// Greedy decoding through the KV cache; returns the new ids and their logits rows.
 fn greedy(
-    engine: &Engine<'_, CpuBackend>,
+    engine: &dyn super::tp_case::Forward,
     prompt: &[u32],
     n: usize,
 ) -> Result<(Vec<u32>, Vec<f32>)> {
-    let mut session = Session::new(engine, prompt.len() + n + 1)?;
+    let mut session = engine.session(prompt.len() + n + 1)?;
     let mut logits = session.forward(prompt, None).context("engine prefill")?;
     let mut ids = Vec::with_capacity(n);
     let mut rows = Vec::with_capacity(n * logits.n_vocab);
@@ -512,30 +533,14 @@ struct Speed {
     ratios: Baseline,
 }
 
-/// Prefill and decode tokens/s (medians of `runs`), each run preceded by its own calibration
-/// (memory bandwidth for decode, f32 multiply-add rate for prefill; harness::throughput), so that
-/// load on a shared machine moves figure and calibration together and the ratio stays put.
-fn bench(
-    engine: &Engine<'_, CpuBackend>,
-    tokens: &[u32],
-    budget: Budget,
-    weights: WeightSize,
-    threads: usize,
-) -> Result<Speed> {
+    let ref_path = split.as_ref().map_or(env.path, |s| s.merged.as_path());
+    let reference = refs.get(ref_path, budget, env.real)?;
     let n_decode = 16;
     let (mut prefill, mut decode) = (Vec::new(), Vec::new());
     let (mut prefill_ratio, mut decode_ratio) = (Vec::new(), Vec::new());
     for _ in 0..budget.bench_runs {
-        let bw = throughput::measure_memory_bandwidth_with(
-            throughput::DEFAULT_BANDWIDTH_BUFFER,
-            3,
-            threads,
-        )?;
-        let fma = throughput::measure_compute_with(
-            throughput::DEFAULT_COMPUTE_FMAS / threads.max(1),
-            threads,
-        )?;
-        let mut session = Session::new(engine, tokens.len() + n_decode + 1)?;
+    let ref_path = split.as_ref().map_or(env.path, |s| s.merged.as_path());
+    let reference = refs.get(ref_path, budget, env.real)?;
         let t = Instant::now();
         let mut logits = session.forward(tokens, None)?;
         let p = tokens.len() as f64 / t.elapsed().as_secs_f64();

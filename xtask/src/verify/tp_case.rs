@@ -1,0 +1,360 @@
+//! Tensor-parallel and split-set cases of `cargo xtask verify`.
+//!
+//! - **TP cases** (`…/tpN-shm/off`): the engine runs as N CPU ranks (threads, `shm`
+//!   communicator, [`engine::tp`]); its taps are gathered to full shape by the engine, so the case
+//!   compares them with the reference exactly as a TP 1 case does, and runs the same gates. The
+//!   matrix gives TP 2/4/8 to its extended models; [`extend`] adds them for every other fixture
+//!   architecture. Each TP case also reports the communication per decoded token: all-reduce
+//!   count and bytes, the time measured on `shm`, and the time modelled for PCIe Gen5 ×16 and
+//!   NVLink 4/5 ([`engine::tp::cost`]); a gate requires the measured count to equal the plan's.
+//! - **Split-set cases** (`MODEL@split-ORDER/…`): the model is written as a split set with the
+//!   engine's GGUF writer (shard 0: metadata and the global tensors; shard k: layer k−1) and
+//!   listed to the engine in ORDER (`021`: shards 0, 2, 1; `rev`: reversed), which must place
+//!   the shards by `split.no`. The reference reads the same listing through its own plain merge
+//!   (`reference::split`). A gate requires the logits to equal the single file's bit for bit.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{anyhow, bail, Context, Result};
+use engine::gguf::{split_path, Gguf, GgufWriter, MetadataValue};
+use engine::model::Model;
+use engine::runtime::{Batch, CpuBackend, Engine, KvCache, Logits, Session};
+use engine::taps::TapObserver;
+use engine::tp::cost::{self, TokenComm, LINKS};
+use engine::tp::{Communicator, ShmGroup, TpEngine, TpModel, TpSession};
+use harness::cases::{Case, MachineCaps, ModelSource, Spec, Topology, TP_DEGREES};
+use harness::gate::GateResult;
+use harness::report::Figure;
+use kernels::cpu::Isa;
+
+use super::models::{Models, REAL_MODEL, REAL_WEIGHTS};
+
+/// The fixture written as a split set in every listing order, and its weights.
+const SPLIT_FIXTURE: (&str, &str) = ("llama", "q8_0");
+/// Every order of its three shards (2 layers + globals).
+const SPLIT_ORDERS: [&str; 6] = ["012", "021", "102", "120", "201", "210"];
+
+/// Add the TP cases of the fixture architectures the matrix does not extend, and the split-set
+/// cases; register their model files.
+pub fn extend(cases: &mut Vec<Case>, models: &mut Models, machine: &mut MachineCaps) {
+    let cpu = machine.best_cpu_backend();
+    for m in &models.entries {
+        if m.source != ModelSource::Fixture || m.extended {
+            continue;
+        }
+        let Some(w) = m.weights.first() else { continue };
+        for tp in TP_DEGREES {
+            cases.push(Case::new(&m.name, w, cpu, tp, Topology::Shm, Spec::Off));
+        }
+    }
+    let mut add_split = |base: (&str, &str), order: &str, cases: &mut Vec<Case>| {
+        let name = format!("{}@split-{order}", base.0);
+        let key = (base.0.to_owned(), base.1.to_owned());
+        match models.paths.get(&key).cloned() {
+            Some(p) => {
+                models.paths.insert((name.clone(), base.1.to_owned()), p);
+            }
+            None => {
+                machine
+                    .models_missing
+                    .insert(name.clone(), format!("cargo xtask fetch-model {}", base.0));
+            }
+        }
+        cases.push(Case::new(&name, base.1, cpu, 1, Topology::Shm, Spec::Off));
+    };
+    for order in SPLIT_ORDERS {
+        add_split(SPLIT_FIXTURE, order, cases);
+    }
+    add_split((REAL_MODEL, REAL_WEIGHTS), "rev", cases);
+}
+
+/// A split-set case's files: the shards as listed to the engine, and the reference's merge.
+pub struct SplitSource {
+    pub listing: Vec<PathBuf>,
+    pub merged: PathBuf,
+    /// The single file the set was written from.
+    pub single: PathBuf,
+}
+
+/// The listing order of `MODEL@split-ORDER`, or `None` for a case that is not a split set.
+fn split_order(model: &str) -> Option<&str> {
+    model.split_once("@split-").map(|(_, o)| o)
+}
+
+/// Write `single` as a split set by layer under `dir`; the shard paths in shard order.
+fn write_by_layer(single: &Path, dir: &Path) -> Result<Vec<PathBuf>> {
+    let g = Gguf::open(single).with_context(|| format!("opening {}", single.display()))?;
+    let layer_of = |name: &str| -> Option<usize> {
+        name.strip_prefix("blk.")?.split_once('.')?.0.parse().ok()
+    };
+    let n_layers = g
+        .tensors()
+        .iter()
+        .filter_map(|t| layer_of(&t.name))
+        .max()
+        .map_or(0, |l| l + 1);
+    let count = u16::try_from(n_layers + 1).context("too many layers for a split set")?;
+    let total = i32::try_from(g.tensors().len()).context("too many tensors")?;
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let prefix = dir.join("model");
+    let mut paths = Vec::new();
+    for no in 0..count {
+        let mut w = GgufWriter::new();
+        w.add_metadata("split.no", MetadataValue::U16(no));
+        w.add_metadata("split.count", MetadataValue::U16(count));
+        w.add_metadata("split.tensors.count", MetadataValue::I32(total));
+        if no == 0 {
+            for (k, v) in g.metadata() {
+                if !k.starts_with("split.") {
+                    w.add_metadata(k.clone(), v.clone());
+                }
+            }
+        }
+        let want = if no == 0 {
+            None
+        } else {
+            Some(usize::from(no) - 1)
+        };
+        for t in g.tensors().iter().filter(|t| layer_of(&t.name) == want) {
+            w.add_tensor(&t.name, t.ggml_type, &t.dims, g.tensor_data(t).to_vec())
+                .with_context(|| format!("adding {}", t.name))?;
+        }
+        let p = split_path(&prefix, no, count);
+        w.write(&p)
+            .with_context(|| format!("writing {}", p.display()))?;
+        paths.push(p);
+    }
+    Ok(paths)
+}
+
+/// For a split-set case, write the set (engine writer), list it in the case's order and merge it
+/// for the reference (its own merge); `None` for any other case.
+pub fn split_source(case: &Case, single: &Path) -> Result<Option<SplitSource>> {
+    let Some(order) = split_order(&case.model) else {
+        return Ok(None);
+    };
+    let dir = single
+        .parent()
+        .unwrap_or(Path::new("."))
+        .join("split")
+        .join(case.model.replace('@', "-"));
+    let shards = write_by_layer(single, &dir)?;
+    let listing: Vec<PathBuf> = if order == "rev" {
+        shards.iter().rev().cloned().collect()
+    } else {
+        let idx: Vec<usize> = order
+            .bytes()
+            .map(|b| usize::from(b.wrapping_sub(b'0')))
+            .collect();
+        let mut sorted = idx.clone();
+        sorted.sort_unstable();
+        if sorted != (0..shards.len()).collect::<Vec<_>>() {
+            bail!(
+                "listing order {order} is not a permutation of the {} shards",
+                shards.len()
+            );
+        }
+        idx.iter().map(|&i| shards[i].clone()).collect()
+    };
+    let merged = dir.join("reference-merged.gguf");
+    reference::split::merge(&listing, &merged)
+        .with_context(|| format!("reference merge of {}", dir.display()))?;
+    Ok(Some(SplitSource {
+        listing,
+        merged,
+        single: single.to_path_buf(),
+    }))
+}
+
+/// A prepared engine a case runs sessions on: TP 1 or N ranks.
+pub trait Forward {
+    fn session(&self, n_ctx: usize) -> Result<Box<dyn Seq + '_>>;
+}
+
+/// One sequence on a [`Forward`].
+pub trait Seq {
+    fn set_logits_all(&mut self, all: bool);
+    fn forward(&mut self, tokens: &[u32], taps: Option<&mut dyn TapObserver>) -> Result<Logits>;
+}
+
+impl<'e, 'm> Seq for Session<'e, 'm, CpuBackend> {
+    fn set_logits_all(&mut self, all: bool) {
+        Session::set_logits_all(self, all);
+    }
+    fn forward(&mut self, tokens: &[u32], taps: Option<&mut dyn TapObserver>) -> Result<Logits> {
+        Ok(Session::forward(self, tokens, taps)?)
+    }
+}
+
+impl<'e, 't> Seq for TpSession<'e, 't, CpuBackend> {
+    fn set_logits_all(&mut self, all: bool) {
+        TpSession::set_logits_all(self, all);
+    }
+    fn forward(&mut self, tokens: &[u32], taps: Option<&mut dyn TapObserver>) -> Result<Logits> {
+        Ok(TpSession::forward(self, tokens, taps)?)
+    }
+}
+
+impl Forward for Engine<'_, CpuBackend> {
+    fn session(&self, n_ctx: usize) -> Result<Box<dyn Seq + '_>> {
+        Ok(Box::new(Session::new(self, n_ctx)?))
+    }
+}
+
+impl<'t> Forward for TpEngine<'t, CpuBackend> {
+    fn session(&self, n_ctx: usize) -> Result<Box<dyn Seq + '_>> {
+        Ok(Box::new(TpSession::new(self, n_ctx)?))
+    }
+}
+
+/// The TP model of a case (`None` at TP 1).
+pub fn tp_model<'m>(model: &'m Model, case: &Case) -> Result<Option<TpModel<'m>>> {
+    if case.tp <= 1 {
+        return Ok(None);
+    }
+    if case.topology != Topology::Shm || case.backend.is_cuda() {
+        bail!(
+            "topology {} on {} needs a communicator this build lacks",
+            case.topology,
+            case.backend
+        );
+    }
+    Ok(Some(TpModel::new(model, case.tp as usize).with_context(
+        || format!("planning {} for TP {}", case.model, case.tp),
+    )?))
+}
+
+/// One CPU backend per rank, the machine's threads shared among them.
+pub fn backends(case: &Case, isa: Isa, threads: usize) -> Result<Vec<CpuBackend>> {
+    let n = case.tp.max(1) as usize;
+    if n <= 1 {
+        return Ok(Vec::new());
+    }
+    let per = (threads / n).max(1);
+    (0..n)
+        .map(|_| CpuBackend::new(Some(isa), Some(per)).map_err(anyhow::Error::from))
+        .collect()
+}
+
+/// The TP engine on `backends` with an `shm` group.
+pub fn tp_engine<'t>(
+    tp: Option<&'t TpModel<'t>>,
+    backends: &'t [CpuBackend],
+) -> Result<Option<TpEngine<'t, CpuBackend>>> {
+    let Some(tp) = tp else { return Ok(None) };
+    let comms: Vec<Box<dyn Communicator>> = ShmGroup::create(tp.degree())
+        .into_iter()
+        .map(|c| Box::new(c) as Box<dyn Communicator>)
+        .collect();
+    Ok(Some(
+        TpEngine::new(tp, backends, comms).context("preparing the ranks")?,
+    ))
+}
+
+/// Decode `n` tokens after `prompt` on the ranks and report the communication per token,
+/// measured on `shm` and modelled for the interconnects, with a gate that the measured count
+/// of all-reduces equals the plan's.
+pub fn comm_report(
+    engine: &TpEngine<'_, CpuBackend>,
+    prompt: &[u32],
+    n: usize,
+) -> Result<(Vec<Figure>, GateResult)> {
+    let tp = engine.tp_model();
+    let c = tp.model().config();
+    let modelled = TokenComm::of(c, tp.plan());
+    let mut s = TpSession::new(engine, prompt.len() + n + 1)?;
+    let mut logits = s.forward(prompt, None).context("TP prefill")?;
+    let before = engine.comm_stats().first().copied().unwrap_or_default();
+    let t = Instant::now();
+    for _ in 0..n {
+        let next = super::run_case::argmax(logits.last());
+        logits = s.forward(&[next], None).context("TP decode")?;
+    }
+    let wall = t.elapsed().as_secs_f64() / n.max(1) as f64;
+    let after = engine.comm_stats().first().copied().unwrap_or_default();
+    let calls = (after.all_reduce_calls - before.all_reduce_calls) as f64 / n.max(1) as f64;
+    let bytes = (after.all_reduce_bytes - before.all_reduce_bytes) as f64 / n.max(1) as f64;
+    let delta = engine::tp::CommStats {
+        all_reduce_time: after.all_reduce_time.saturating_sub(before.all_reduce_time),
+        all_gather_time: after.all_gather_time.saturating_sub(before.all_gather_time),
+        ..Default::default()
+    };
+    let (ar_s, ag_s) = cost::measured_s_per_token(&delta, n);
+    let mut figures = vec![
+        Figure::new("allreduce_per_token", calls, ""),
+        Figure::new("allreduce_bytes_per_token", bytes, "B"),
+        Figure::new(
+            "gather_bytes_per_token",
+            modelled.all_gather_bytes as f64,
+            "B",
+        ),
+        Figure::new("shm_measured_comm_per_token", (ar_s + ag_s) * 1e6, "us"),
+        Figure::new("shm_measured_decode_per_token", wall * 1e6, "us"),
+    ];
+    for link in LINKS {
+        figures.push(Figure::new(
+            &format!("{}_modelled_comm_per_token", link.name),
+            modelled.modelled_s(&link) * 1e6,
+            "us",
+        ));
+    }
+    let gate = GateResult::at_most(
+        "tp-allreduce-count",
+        (calls - modelled.all_reduces as f64).abs(),
+        0.0,
+        format!(
+            "{calls} all-reduces per decoded token on {} ranks ({}), the plan needs {}",
+            tp.degree(),
+            engine.comm_kind(),
+            modelled.all_reduces
+        ),
+    );
+    Ok((figures, gate))
+}
+
+/// Split-set gate: the split set's logits (as the engine loaded it from the listing) equal the
+/// single file's, bit for bit (the same bytes in the same kernels).
+pub fn split_gate(
+    src: &SplitSource,
+    isa: Isa,
+    threads: usize,
+    tokens: &[u32],
+    split_logits: &[f32],
+) -> Result<GateResult> {
+    let model =
+        Model::load(&src.single).with_context(|| format!("loading {}", src.single.display()))?;
+    let be = CpuBackend::new(Some(isa), Some(threads))?;
+    let engine = Engine::new(&model, &be)?;
+    let mut cache: KvCache<CpuBackend> =
+        engine.new_cache(tokens.len() + 1, engine::runtime::KvDtype::F32)?;
+    let single = engine.forward(&mut cache, &Batch::chain(0, 0, tokens, true), None)?;
+    if single.data.len() != split_logits.len() {
+        return Err(anyhow!(
+            "split set gave {} logits, the single file {}",
+            split_logits.len(),
+            single.data.len()
+        ));
+    }
+    let differ = single
+        .data
+        .iter()
+        .zip(split_logits)
+        .filter(|(a, b)| a.to_bits() != b.to_bits())
+        .count();
+    Ok(GateResult::at_most(
+        "split-equals-single",
+        differ as f64,
+        0.0,
+        format!(
+            "{differ} of {} logits differ from the single file ({} shards listed {})",
+            single.data.len(),
+            src.listing.len(),
+            src.listing
+                .iter()
+                .filter_map(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    ))
+}
