@@ -46,7 +46,7 @@ pub fn capabilities() -> Capabilities {
         cuda_devices: Vec::new(),
         cuda_backend: false,
         tensor_parallel: false,
-        speculative: false,
+        speculative: true,
         kv_dtypes: vec![crate::runtime::KvDtype::F32, crate::runtime::KvDtype::F16],
     }
 }

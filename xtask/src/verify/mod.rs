@@ -6,6 +6,7 @@
 mod faults;
 mod models;
 mod run_case;
+mod spec_case;
 
 use std::path::PathBuf;
 use std::time::Instant;

@@ -10,7 +10,7 @@ use engine::model::Model;
 use engine::runtime::{CpuBackend, Engine, Session};
 use engine::taps::TapRecorder;
 use engine::tokenizer::Tokenizer;
-use harness::cases::{Backend, Case};
+use harness::cases::{Backend, Case, Spec};
 use harness::coherence::{self, DegeneracyParams, LogitThresholds};
 use harness::gate::GateResult;
 use harness::report::{CaseResult, Figure};
@@ -187,6 +187,19 @@ pub fn run(
     let tokenizer = Tokenizer::from_gguf(model.gguf()).context("loading the tokenizer")?;
     let backend = CpuBackend::new(Some(isa), Some(env.threads))?;
     let engine = Engine::new(&model, &backend).context("preparing the weights")?;
+    if let Spec::Tree { budget, top_k } = case.spec {
+        let r = super::spec_case::run(
+            &engine,
+            &tokenizer,
+            budget as usize,
+            top_k as usize,
+            env.real,
+            env.bench,
+        )?;
+        let result = CaseResult::judged(&name, None, r.gates, r.figures)
+            .with_duration(started.elapsed().as_secs_f64());
+        return Ok((result, None));
+    }
     let budget = Budget::for_model(env.real);
     let reference = refs.get(env.path, &tokenizer, budget)?;
     let n_vocab = reference.n_vocab;
