@@ -47,7 +47,7 @@ pub fn capabilities() -> Capabilities {
         cuda_backend: false,
         // CPU ranks over `shm` (crate::tp); CUDA/NCCL communicators are not built yet.
         tensor_parallel: true,
-        speculative: false,
+        speculative: true,
         kv_dtypes: vec![crate::runtime::KvDtype::F32, crate::runtime::KvDtype::F16],
     }
 }

@@ -112,6 +112,11 @@ impl Spec {
         budget: 8,
         top_k: 4,
     };
+    /// A larger budget beside it.
+    pub const TREE_B16K4: Spec = Spec::Tree {
+        budget: 16,
+        top_k: 4,
+    };
 }
 
 impl fmt::Display for Spec {

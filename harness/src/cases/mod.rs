@@ -365,6 +365,14 @@ impl Matrix {
                 &m.name,
                 w0,
                 cpu,
+                1,
+                Topology::Shm,
+                Spec::TREE_B16K4,
+            ));
+            cases.push(Case::new(
+                &m.name,
+                w0,
+                cpu,
                 2,
                 Topology::Shm,
                 Spec::TREE_B8K4,
@@ -559,8 +567,9 @@ mod tests {
         let m = avx2_box();
         let cases = Matrix::enumerate(&models(), &m);
         // Base: (1 + 3 + 2) weight types × 3 CPU backends = 18. Extended (gemma3-270m, llama):
-        // 6 CUDA + 3 CPU TP + 6 CUDA TP (sm90 stand-in) + 3 spec = 18 each.
-        assert_eq!(cases.len(), 18 + 2 * 18);
+        // 6 CUDA + 3 CPU TP + 6 CUDA TP (sm90 stand-in) + 4 spec (CPU b8k4 and b16k4, TP2,
+        // CUDA) = 19 each.
+        assert_eq!(cases.len(), 18 + 2 * 19);
         let names: std::collections::BTreeSet<String> = cases.iter().map(Case::name).collect();
         assert_eq!(names.len(), cases.len());
         for n in [
@@ -568,6 +577,7 @@ mod tests {
             "gemma3-270m/q4_k_m/cuda-sm120/tp1-shm/off",
             "gemma3-270m/q4_k_m/cuda-sm90/tp8-nvlink/off",
             "gemma3-270m/q4_k_m/cpu-avx2/tp2-shm/tree-b8k4",
+            "gemma3-270m/q4_k_m/cpu-avx2/tp1-shm/tree-b16k4",
             "llama/q4_0/cpu-avx2/tp4-shm/off",
         ] {
             assert!(names.contains(n), "{n}");

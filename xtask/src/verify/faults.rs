@@ -130,6 +130,40 @@ const FAULTS: &[Expectation] = &[
         case: "llama/q8_0/*/tp1-shm/off",
         expect: "gate:tokens",
     },
+    // Tree speculation (xtask/src/verify/spec_case.rs), on the extended fixture's tree case. A
+    // node that also sees its previous sibling gets another context: the first gate, which
+    // compares each node's logits with its path run plainly, sees it.
+    Expectation {
+        fault: Fault::TreeMaskSeesSibling,
+        case: "llama/*/*/tp1-shm/tree-b8k4",
+        expect: "gate:spec.tree-mask",
+    },
+    // The tree-mask gate runs before any compaction; the compaction gate decodes after keeping
+    // the deepest path and sees the wrong row.
+    Expectation {
+        fault: Fault::CompactKeepsWrongRow,
+        case: "llama/*/*/tp1-shm/tree-b8k4",
+        expect: "gate:spec.compact",
+    },
+    // Both acceptance faults break the re-walk of the greedy rounds (gate 3) before the greedy
+    // output comparison (gate 4).
+    Expectation {
+        fault: Fault::AcceptPastRejection,
+        case: "llama/*/*/tp1-shm/tree-b8k4",
+        expect: "gate:spec.accept-walk",
+    },
+    Expectation {
+        fault: Fault::AcceptByDraftProbability,
+        case: "llama/*/*/tp1-shm/tree-b8k4",
+        expect: "gate:spec.accept-walk",
+    },
+    // Only when sampling (the `coin == 0` bug): the greedy gates pass, the support gate of the
+    // sampled run sees a token of target probability 0.
+    Expectation {
+        fault: Fault::AcceptZeroProbability,
+        case: "llama/*/*/tp1-shm/tree-b8k4",
+        expect: "gate:spec.support",
+    },
 ];
 
 struct Outcome {

@@ -7,6 +7,7 @@ mod faults;
 mod isolate;
 mod models;
 mod run_case;
+mod spec_case;
 mod tp_case;
 
 use std::path::PathBuf;

@@ -10,7 +10,7 @@ use engine::model::Model;
 use engine::runtime::{CpuBackend, Engine};
 use engine::taps::TapRecorder;
 use engine::tokenizer::Tokenizer;
-use harness::cases::{Backend, Case};
+use harness::cases::{Backend, Case, Spec};
 use harness::coherence::{self, DegeneracyParams, LogitThresholds};
 use harness::gate::GateResult;
 use harness::report::{CaseResult, Figure};
@@ -268,6 +268,19 @@ pub fn run(
     let tokenizer = Tokenizer::from_gguf(model.gguf()).context("loading the tokenizer")?;
     let backend = CpuBackend::new(Some(isa), Some(env.threads))?;
     let engine = Engine::new(&model, &backend).context("preparing the weights")?;
+    if let Spec::Tree { budget, top_k } = case.spec {
+        let r = super::spec_case::run(
+            &engine,
+            &tokenizer,
+            budget as usize,
+            top_k as usize,
+            env.real,
+            env.bench,
+        )?;
+        let result = CaseResult::judged(&name, None, r.gates, r.figures)
+            .with_duration(started.elapsed().as_secs_f64());
+        return Ok((result, None));
+    }
     let tp_model = super::tp_case::tp_model(&model, case)?;
     let tp_backends = super::tp_case::backends(case, isa, env.threads)?;
     let tp_engine = super::tp_case::tp_engine(tp_model.as_ref(), &tp_backends)?;
