@@ -8,6 +8,7 @@ mod dump;
 mod generate;
 mod inspect;
 mod perplexity;
+mod serve;
 mod tokenize;
 
 #[derive(Parser)]
@@ -33,6 +34,8 @@ enum Command {
     Perplexity(perplexity::Args),
     /// Show the token ids and pieces of a text under a model's vocabulary
     Tokenize(tokenize::Args),
+    /// Serve the model over an OpenAI-compatible HTTP API (ready only once it can generate)
+    Serve(serve::Args),
 }
 
 fn main() -> ExitCode {
@@ -47,6 +50,7 @@ fn main() -> ExitCode {
         Command::Generate(args) => generate::run(args),
         Command::Perplexity(args) => perplexity::run(args),
         Command::Tokenize(args) => tokenize::run(args),
+        Command::Serve(args) => serve::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -5,6 +5,7 @@ mod compare;
 mod fetch_model;
 mod golden;
 mod quant_errors;
+mod serve_bench;
 mod verify;
 
 use anyhow::Result;
@@ -36,6 +37,8 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Start `plumbline serve`, drive streaming load per concurrency, report TTFT/ITL/throughput
+    ServeBench(serve_bench::Args),
 }
 
 fn main() -> Result<()> {
@@ -55,6 +58,7 @@ fn main() -> Result<()> {
         Command::QuantErrors { json } => quant_errors::run(json)?,
         Command::Verify(args) => verify::run(args)?,
         Command::Compare(args) => compare::run(args)?,
+        Command::ServeBench(args) => serve_bench::run(args)?,
     }
     Ok(())
 }

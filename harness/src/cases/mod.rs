@@ -124,7 +124,7 @@ impl Case {
         if self.tp > 1 && !e.tensor_parallel {
             return Some("tensor parallelism not implemented in the engine yet".into());
         }
-        if self.spec != Spec::Off && !e.speculative {
+        if matches!(self.spec, Spec::Tree { .. }) && !e.speculative {
             return Some("speculative decoding not implemented yet".into());
         }
         if let Some(how) = machine.models_missing.get(&self.model) {
@@ -379,6 +379,8 @@ impl Matrix {
                     Spec::TREE_B8K4,
                 ));
             }
+            // Serving: the greedy gate through `plumbline serve` (xtask verify/serve_case.rs).
+            cases.push(Case::new(&m.name, w0, cpu, 1, Topology::Shm, Spec::Serve));
         }
         cases
     }

@@ -6,6 +6,7 @@
 mod faults;
 mod models;
 mod run_case;
+mod serve_case;
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -134,7 +135,12 @@ pub fn verify(args: &Args) -> Result<Report> {
             baselines: &baselines,
             bench: !args.no_bench,
         };
-        let result = match run_case::run(case, &env, &mut refs) {
+        let outcome = if case.spec == harness::cases::Spec::Serve {
+            serve_case::run(case, &env, &mut refs).map(|r| (r, None))
+        } else {
+            run_case::run(case, &env, &mut refs)
+        };
+        let result = match outcome {
             Ok((result, measured)) => {
                 // Baselines are kept for the real model only: a fixture's forward pass takes
                 // microseconds, so its tokens/s on a shared 2-core machine is noise, not a signal.
