@@ -112,8 +112,18 @@ pub fn run(args: Args) -> Result<()> {
     let mut rows = Vec::new();
     let mut c1_texts: Option<Vec<String>> = None;
     for &c in &args.concurrency {
-        let (row, texts) = level(&base, c, args.requests, args.max_tokens, c1_texts.as_deref())?;
-        tracing::info!(concurrency = c, tokens_per_s = row.tokens_per_s, "level done");
+        let (row, texts) = level(
+            &base,
+            c,
+            args.requests,
+            args.max_tokens,
+            c1_texts.as_deref(),
+        )?;
+        tracing::info!(
+            concurrency = c,
+            tokens_per_s = row.tokens_per_s,
+            "level done"
+        );
         if c == 1 && c1_texts.is_none() {
             c1_texts = Some(texts);
         }
@@ -163,7 +173,12 @@ pub fn run(args: Args) -> Result<()> {
     let bad: Vec<String> = rows
         .iter()
         .filter(|r| r.lost > 0 || r.duplicated > 0)
-        .map(|r| format!("concurrency {}: {} lost, {} duplicated", r.concurrency, r.lost, r.duplicated))
+        .map(|r| {
+            format!(
+                "concurrency {}: {} lost, {} duplicated",
+                r.concurrency, r.lost, r.duplicated
+            )
+        })
         .collect();
     if !bad.is_empty() {
         bail!("incomplete answers: {}", bad.join("; "));
@@ -281,7 +296,8 @@ fn one(base: &str, i: usize, max_tokens: usize) -> Result<Answer> {
             a.done = true;
             break;
         }
-        let v: Value = serde_json::from_str(data).with_context(|| format!("request {i}: event {data}"))?;
+        let v: Value =
+            serde_json::from_str(data).with_context(|| format!("request {i}: event {data}"))?;
         if v.get("error").is_some() {
             bail!("request {i}: {data}");
         }

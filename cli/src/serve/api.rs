@@ -401,7 +401,9 @@ impl Message {
                         (other, _) => {
                             return Err(ApiError::invalid(
                                 Some(&format!("messages[{index}].content[{j}].type")),
-                                format!("only text content is supported, found a part of type `{other}`"),
+                                format!(
+                                "only text content is supported, found a part of type `{other}`"
+                            ),
                             ))
                         }
                     }
@@ -432,23 +434,63 @@ mod tests {
     fn refuses_each_bad_field_by_name() {
         use Endpoint::*;
         check_err(json!({"n": 2}), Completions, Some("n"), "n must be 1");
-        check_err(json!({"max_tokens": 0}), Completions, Some("max_tokens"), "at least 1");
+        check_err(
+            json!({"max_tokens": 0}),
+            Completions,
+            Some("max_tokens"),
+            "at least 1",
+        );
         check_err(
             json!({"max_completion_tokens": -3}),
             Chat,
             Some("max_completion_tokens"),
             "at least 1",
         );
-        check_err(json!({"temperature": 2.5}), Chat, Some("temperature"), "between 0 and 2");
+        check_err(
+            json!({"temperature": 2.5}),
+            Chat,
+            Some("temperature"),
+            "between 0 and 2",
+        );
         check_err(json!({"top_p": 0}), Chat, Some("top_p"), "(0, 1]");
-        check_err(json!({"stop": ["a", "b", "c", "d", "e"]}), Chat, Some("stop"), "at most 4");
+        check_err(
+            json!({"stop": ["a", "b", "c", "d", "e"]}),
+            Chat,
+            Some("stop"),
+            "at most 4",
+        );
         check_err(json!({"stop": ""}), Chat, Some("stop"), "must not be empty");
-        check_err(json!({"logprobs": 6}), Completions, Some("logprobs"), "0 to 5");
+        check_err(
+            json!({"logprobs": 6}),
+            Completions,
+            Some("logprobs"),
+            "0 to 5",
+        );
         check_err(json!({"logprobs": 3}), Chat, Some("logprobs"), "boolean");
-        check_err(json!({"top_logprobs": 2}), Chat, Some("top_logprobs"), "needs logprobs");
-        check_err(json!({"presence_penalty": 0.5}), Chat, Some("presence_penalty"), "not supported");
-        check_err(json!({"echo": true}), Completions, Some("echo"), "not supported");
-        check_err(json!({"temperature": "hot"}), Chat, Some("temperature"), "invalid type");
+        check_err(
+            json!({"top_logprobs": 2}),
+            Chat,
+            Some("top_logprobs"),
+            "needs logprobs",
+        );
+        check_err(
+            json!({"presence_penalty": 0.5}),
+            Chat,
+            Some("presence_penalty"),
+            "not supported",
+        );
+        check_err(
+            json!({"echo": true}),
+            Completions,
+            Some("echo"),
+            "not supported",
+        );
+        check_err(
+            json!({"temperature": "hot"}),
+            Chat,
+            Some("temperature"),
+            "invalid type",
+        );
         check_err(json!({"stream": 1}), Chat, Some("stream"), "invalid type");
     }
 
@@ -463,7 +505,9 @@ mod tests {
         assert_eq!(p.sampler.top_p, 1.0);
         assert_eq!(p.sampler.seed, 7);
         assert_eq!(p.top_logprobs, None);
-        let p = c.params(Endpoint::Chat, 7).unwrap_or_else(|e| panic!("{e:?}"));
+        let p = c
+            .params(Endpoint::Chat, 7)
+            .unwrap_or_else(|e| panic!("{e:?}"));
         assert_eq!(p.max_tokens, None);
     }
 

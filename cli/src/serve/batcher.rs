@@ -114,7 +114,9 @@ pub fn run(cfg: EngineConfig, state: Arc<AppState>, rx: Receiver<Job>) -> Result
     let (model, backend, tokenizer, template) = match loaded {
         Ok(v) => v,
         Err(e) => {
-            state.ready.failed(format!("the model could not be loaded: {e:#}"));
+            state
+                .ready
+                .failed(format!("the model could not be loaded: {e:#}"));
             return Err(e);
         }
     };
@@ -164,14 +166,23 @@ fn load(cfg: &EngineConfig) -> Result<Loaded> {
     let gguf_template = model
         .gguf()
         .get_str_opt("tokenizer.chat_template")
-        .with_context(|| format!("reading tokenizer.chat_template of {}", cfg.model_path.display()))?;
+        .with_context(|| {
+            format!(
+                "reading tokenizer.chat_template of {}",
+                cfg.model_path.display()
+            )
+        })?;
     let piece = |id: Option<u32>| {
         id.map(|i| String::from_utf8_lossy(&tokenizer.token_bytes_special(i, true)).into_owned())
             .unwrap_or_default()
     };
-    let template = ChatTemplate::new(gguf_template, &piece(tokenizer.bos()), &piece(tokenizer.eos()))
-        .map_err(anyhow::Error::msg)
-        .with_context(|| format!("the chat template of {}", cfg.model_path.display()))?;
+    let template = ChatTemplate::new(
+        gguf_template,
+        &piece(tokenizer.bos()),
+        &piece(tokenizer.eos()),
+    )
+    .map_err(anyhow::Error::msg)
+    .with_context(|| format!("the chat template of {}", cfg.model_path.display()))?;
     Ok((model, backend, tokenizer, template))
 }
 
@@ -242,7 +253,10 @@ impl<'a, 'm, B: Backend> Batcher<'a, 'm, B> {
     }
 
     fn admit(&mut self, job: Job) {
-        self.state.metrics.queue_depth.fetch_sub(1, Ordering::Relaxed);
+        self.state
+            .metrics
+            .queue_depth
+            .fetch_sub(1, Ordering::Relaxed);
         if job.events.is_closed() {
             self.state.metrics.cancelled.fetch_add(1, Ordering::Relaxed);
             return;
@@ -282,7 +296,11 @@ impl<'a, 'm, B: Backend> Batcher<'a, 'm, B> {
                 if let Some(a) = slot.take() {
                     self.cache.remove_seq(a.seq);
                     self.state.metrics.cancelled.fetch_add(1, Ordering::Relaxed);
-                    tracing::debug!(seq = a.seq, generated = a.generated, "client went away; cancelled");
+                    tracing::debug!(
+                        seq = a.seq,
+                        generated = a.generated,
+                        "client went away; cancelled"
+                    );
                 }
             }
         }
@@ -355,7 +373,10 @@ impl<'a, 'm, B: Backend> Batcher<'a, 'm, B> {
                 continue;
             };
             let Some(logits) = logits.of_token(row) else {
-                self.finish_failed(i, format!("the forward returned no logits for batch row {row}"));
+                self.finish_failed(
+                    i,
+                    format!("the forward returned no logits for batch row {row}"),
+                );
                 continue;
             };
             if let Some(done) = self.advance(i, logits) {
@@ -543,9 +564,15 @@ mod tests {
 
     #[test]
     fn stop_strings_across_pieces() {
-        assert_eq!(run_stops(&["Hel", "lo wo", "rld"], &["o w"]), ("Hell".into(), true));
+        assert_eq!(
+            run_stops(&["Hel", "lo wo", "rld"], &["o w"]),
+            ("Hell".into(), true)
+        );
         assert_eq!(run_stops(&["ab", "c"], &["bd"]), ("abc".into(), false));
-        assert_eq!(run_stops(&["x\n", "\ny"], &["\n\n", "zz"]), ("x".into(), true));
+        assert_eq!(
+            run_stops(&["x\n", "\ny"], &["\n\n", "zz"]),
+            ("x".into(), true)
+        );
         assert_eq!(run_stops(&["STOP"], &["STOP"]), ("".into(), true));
         assert_eq!(run_stops(&["a", "b"], &[]), ("ab".into(), false));
         // Multi-byte: a held prefix ends on a character boundary.
@@ -556,7 +583,10 @@ mod tests {
     fn held_text_is_only_a_possible_stop_start() {
         let stops = vec!["END".to_string()];
         let mut held = String::new();
-        assert_eq!(scan_stop(&mut held, "the E", &stops), ("the ".into(), false));
+        assert_eq!(
+            scan_stop(&mut held, "the E", &stops),
+            ("the ".into(), false)
+        );
         assert_eq!(held, "E");
         assert_eq!(scan_stop(&mut held, "x", &stops), ("Ex".into(), false));
         assert!(held.is_empty());

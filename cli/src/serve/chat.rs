@@ -97,9 +97,12 @@ impl ChatTemplate {
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_function("raise_exception", |msg: String| -> Result<String, minijinja::Error> {
-            Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
-        });
+        env.add_function(
+            "raise_exception",
+            |msg: String| -> Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
+            },
+        );
         env.add_template_owned(NAME, text)
             .map_err(|e| format!("compiling the chat template ({}): {e}", source.describe()))?;
         Ok(ChatTemplate {
@@ -131,7 +134,9 @@ impl ChatTemplate {
             // `raise_exception` messages are the template's own words; other errors get the
             // template error chain.
             match e.kind() {
-                ErrorKind::InvalidOperation => e.detail().unwrap_or("invalid operation").to_string(),
+                ErrorKind::InvalidOperation => {
+                    e.detail().unwrap_or("invalid operation").to_string()
+                }
                 _ => format!("rendering the chat template: {e:#}"),
             }
         })
@@ -193,13 +198,20 @@ mod tests {
         )
         .unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(t.source(), TemplateSource::Gguf);
-        let out = t.render(&[msg("user", " hi ")]).unwrap_or_else(|e| panic!("{e}"));
-        assert_eq!(out, "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
+        let out = t
+            .render(&[msg("user", " hi ")])
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(
+            out,
+            "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+        );
     }
 
     #[test]
     fn broken_template_is_an_error_not_a_panic() {
-        let err = ChatTemplate::new(Some("{% for %}"), "", "").err().unwrap_or_default();
+        let err = ChatTemplate::new(Some("{% for %}"), "", "")
+            .err()
+            .unwrap_or_default();
         assert!(err.contains("compiling the chat template"), "{err}");
     }
 }

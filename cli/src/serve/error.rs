@@ -31,11 +31,7 @@ impl ApiError {
     pub fn invalid(param: Option<&str>, message: impl Into<String>) -> ApiError {
         ApiError {
             param: param.map(str::to_string),
-            ..ApiError::new(
-                StatusCode::BAD_REQUEST,
-                "invalid_request_error",
-                message,
-            )
+            ..ApiError::new(StatusCode::BAD_REQUEST, "invalid_request_error", message)
         }
     }
 
@@ -79,7 +75,11 @@ impl ApiError {
 
     /// 503: the model is not loaded yet, or the engine has stopped.
     pub fn unavailable(message: impl Into<String>) -> ApiError {
-        ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable_error", message)
+        ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "unavailable_error",
+            message,
+        )
     }
 
     /// 500: the generation failed on the server's side.

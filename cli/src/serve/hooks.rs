@@ -75,11 +75,17 @@ mod tests {
 
     #[test]
     fn parses_and_refuses() {
-        let h = Hooks::parse("warmup-delay-ms=5, break-file=/tmp/x").unwrap_or_else(|e| panic!("{e}"));
+        let h =
+            Hooks::parse("warmup-delay-ms=5, break-file=/tmp/x").unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(h.warmup_delay, Some(Duration::from_millis(5)));
-        assert_eq!(h.break_file.as_deref(), Some(std::path::Path::new("/tmp/x")));
+        assert_eq!(
+            h.break_file.as_deref(),
+            Some(std::path::Path::new("/tmp/x"))
+        );
         assert!(Hooks::parse("warmup-delay=5").is_err());
         assert!(Hooks::parse("step-delay-ms=soon").is_err());
-        assert!(!Hooks::parse("").unwrap_or_else(|e| panic!("{e}")).is_active());
+        assert!(!Hooks::parse("")
+            .unwrap_or_else(|e| panic!("{e}"))
+            .is_active());
     }
 }

@@ -127,7 +127,9 @@ impl AppState {
                 self.metrics.queue_depth.fetch_sub(1, Ordering::Relaxed);
                 Err(match e {
                     TrySendError::Full(_) => ApiError::queue_full(self.cfg.queue),
-                    TrySendError::Disconnected(_) => ApiError::unavailable("the engine has stopped"),
+                    TrySendError::Disconnected(_) => {
+                        ApiError::unavailable("the engine has stopped")
+                    }
                 })
             }
         }
@@ -168,7 +170,10 @@ pub fn run(args: Args) -> Result<()> {
         );
     }
     if args.ctx < 2 {
-        bail!("--ctx must be at least 2 (a prompt token and a generated one), found {}", args.ctx);
+        bail!(
+            "--ctx must be at least 2 (a prompt token and a generated one), found {}",
+            args.ctx
+        );
     }
     if hooks.is_active() {
         tracing::warn!(?hooks, "{} is set: test hooks active", hooks::ENV_VAR);
@@ -296,7 +301,9 @@ async fn prober(state: Arc<AppState>) {
             Err(ProbeError::Failed(reason)) => {
                 state.metrics.probes_failed.fetch_add(1, Ordering::Relaxed);
                 tracing::error!(%reason, "readiness probe failed");
-                state.ready.failed(format!("readiness probe failed: {reason}"));
+                state
+                    .ready
+                    .failed(format!("readiness probe failed: {reason}"));
             }
         }
     }
@@ -315,7 +322,9 @@ async fn probe(state: &AppState, info: &ModelInfo) -> Result<(), ProbeError> {
         .encode("Hello", true, false)
         .map_err(|e| ProbeError::Failed(format!("tokenizing the probe prompt: {e}")))?;
     if prompt.is_empty() {
-        return Err(ProbeError::Failed("the probe prompt tokenizes to nothing".into()));
+        return Err(ProbeError::Failed(
+            "the probe prompt tokenizes to nothing".into(),
+        ));
     }
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
     let job = Job {
@@ -335,13 +344,11 @@ async fn probe(state: &AppState, info: &ModelInfo) -> Result<(), ProbeError> {
         Err(e) => return Err(ProbeError::Failed(e.message)),
     }
     let wait = async {
-        while let Some(ev) = rx.recv().await {
-            match ev {
-                Event::Delta { .. } | Event::Done { .. } => return Ok(()),
-                Event::Failed(reason) => return Err(ProbeError::Failed(reason)),
-            }
+        match rx.recv().await {
+            Some(Event::Delta { .. } | Event::Done { .. }) => Ok(()),
+            Some(Event::Failed(reason)) => Err(ProbeError::Failed(reason)),
+            None => Err(ProbeError::Failed("the engine dropped the probe".into())),
         }
-        Err(ProbeError::Failed("the engine dropped the probe".into()))
     };
     match tokio::time::timeout(state.cfg.probe_timeout, wait).await {
         Ok(r) => r,

@@ -76,7 +76,10 @@ async fn ready(State(st): St) -> Response {
 
 async fn metrics(State(st): St) -> Response {
     (
-        [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
         st.metrics.render(st.ready.is_ready()),
     )
         .into_response()
@@ -168,7 +171,11 @@ struct Prepared {
     rx: UnboundedReceiver<Event>,
 }
 
-async fn generate(st: &Arc<AppState>, endpoint: Endpoint, body: Body) -> Result<Response, ApiError> {
+async fn generate(
+    st: &Arc<AppState>,
+    endpoint: Endpoint,
+    body: Body,
+) -> Result<Response, ApiError> {
     let bytes = read_body(st, body).await?;
     let value = api::parse_json(&bytes)?;
     let common: Common = api::from_value(&value)?;
@@ -223,7 +230,8 @@ async fn generate(st: &Arc<AppState>, endpoint: Endpoint, body: Body) -> Result<
 /// The prompt of `/v1/completions`, tokenized as `plumbline generate` does (BOS where the model
 /// asks for it; special-token text stays text), or ids as given.
 fn completion_prompt(info: &ModelInfo, prompt: Prompt) -> Result<Vec<u32>, ApiError> {
-    let empty = || ApiError::invalid(Some("prompt"), "the prompt is empty").with_code("empty_prompt");
+    let empty =
+        || ApiError::invalid(Some("prompt"), "the prompt is empty").with_code("empty_prompt");
     let one = |n: usize| {
         ApiError::invalid(
             Some("prompt"),
@@ -241,10 +249,17 @@ fn completion_prompt(info: &ModelInfo, prompt: Prompt) -> Result<Vec<u32>, ApiEr
     if ids.is_empty() {
         return Err(empty());
     }
-    if let Some((i, &bad)) = ids.iter().enumerate().find(|(_, &t)| t as usize >= info.n_vocab) {
+    if let Some((i, &bad)) = ids
+        .iter()
+        .enumerate()
+        .find(|(_, &t)| t as usize >= info.n_vocab)
+    {
         return Err(ApiError::invalid(
             Some(&format!("prompt[{i}]")),
-            format!("token id {bad} is outside the vocabulary of {} tokens", info.n_vocab),
+            format!(
+                "token id {bad} is outside the vocabulary of {} tokens",
+                info.n_vocab
+            ),
         ));
     }
     Ok(ids)
@@ -252,7 +267,9 @@ fn completion_prompt(info: &ModelInfo, prompt: Prompt) -> Result<Vec<u32>, ApiEr
 
 fn encode_text(info: &ModelInfo, text: &str) -> Result<Vec<u32>, ApiError> {
     if text.is_empty() {
-        return Err(ApiError::invalid(Some("prompt"), "the prompt is empty").with_code("empty_prompt"));
+        return Err(
+            ApiError::invalid(Some("prompt"), "the prompt is empty").with_code("empty_prompt")
+        );
     }
     info.tokenizer
         .encode(text, true, false)
@@ -263,8 +280,10 @@ fn encode_text(info: &ModelInfo, text: &str) -> Result<Vec<u32>, ApiError> {
 /// (the template writes them as text); a BOS the template wrote is not doubled.
 fn chat_prompt(info: &ModelInfo, body: &ChatBody) -> Result<Vec<u32>, ApiError> {
     if body.messages.is_empty() {
-        return Err(ApiError::invalid(Some("messages"), "messages must not be empty")
-            .with_code("empty_prompt"));
+        return Err(
+            ApiError::invalid(Some("messages"), "messages must not be empty")
+                .with_code("empty_prompt"),
+        );
     }
     let mut msgs = Vec::with_capacity(body.messages.len());
     for (i, m) in body.messages.iter().enumerate() {
@@ -285,17 +304,17 @@ fn chat_prompt(info: &ModelInfo, body: &ChatBody) -> Result<Vec<u32>, ApiError> 
         });
     }
     if msgs.iter().all(|m| m.content.trim().is_empty()) {
-        return Err(ApiError::invalid(Some("messages"), "every message is empty")
-            .with_code("empty_prompt"));
+        return Err(
+            ApiError::invalid(Some("messages"), "every message is empty").with_code("empty_prompt"),
+        );
     }
     let text = info
         .template
         .render(&msgs)
         .map_err(|e| ApiError::invalid(Some("messages"), e))?;
-    let mut ids = info
-        .tokenizer
-        .encode(&text, true, true)
-        .map_err(|e| ApiError::invalid(Some("messages"), format!("tokenizing the chat prompt: {e}")))?;
+    let mut ids = info.tokenizer.encode(&text, true, true).map_err(|e| {
+        ApiError::invalid(Some("messages"), format!("tokenizing the chat prompt: {e}"))
+    })?;
     if let Some(bos) = info.tokenizer.bos() {
         if ids.len() >= 2 && ids[0] == bos && ids[1] == bos {
             ids.remove(0);
@@ -305,7 +324,11 @@ fn chat_prompt(info: &ModelInfo, body: &ChatBody) -> Result<Vec<u32>, ApiError> 
 }
 
 /// `max_tokens` checked against the context: prompt + max_tokens must fit.
-fn check_context(n_prompt: usize, max_tokens: Option<usize>, ctx: usize) -> Result<usize, ApiError> {
+fn check_context(
+    n_prompt: usize,
+    max_tokens: Option<usize>,
+    ctx: usize,
+) -> Result<usize, ApiError> {
     if n_prompt >= ctx {
         return Err(ApiError::invalid(
             Some("prompt"),
@@ -445,7 +468,9 @@ async fn collect(st: &AppState, mut p: Prepared, meta: Meta) -> Result<Response,
                 }))
                 .into_response());
             }
-            Event::Failed(reason) => return Err(ApiError::internal(format!("generation failed: {reason}"))),
+            Event::Failed(reason) => {
+                return Err(ApiError::internal(format!("generation failed: {reason}")))
+            }
         }
     }
     Err(ApiError::internal("the engine dropped the request"))
@@ -467,7 +492,12 @@ struct StreamState {
 }
 
 impl StreamState {
-    fn chunk(&self, delta_text: Option<&str>, logprobs: Option<Value>, finish: Option<Finish>) -> Value {
+    fn chunk(
+        &self,
+        delta_text: Option<&str>,
+        logprobs: Option<Value>,
+        finish: Option<Finish>,
+    ) -> Value {
         let (object, choice) = match self.meta.endpoint {
             Endpoint::Completions => (
                 "text_completion",
@@ -566,7 +596,8 @@ async fn stream(st: &AppState, mut p: Prepared, meta: Meta) -> Result<Response, 
     } else {
         String::new()
     };
-    let head = futures_util::stream::once(async move { Ok::<Bytes, Infallible>(Bytes::from(opening)) });
+    let head =
+        futures_util::stream::once(async move { Ok::<Bytes, Infallible>(Bytes::from(opening)) });
     let rest = futures_util::stream::unfold(state, |mut s| async move {
         if s.done {
             return None;

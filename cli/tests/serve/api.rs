@@ -49,7 +49,7 @@ fn openai_python_client() {
     let text = c["text"].as_str().unwrap_or_default();
     let usage = &c["usage"];
     let n_gen = usage["completion_tokens"].as_u64().unwrap_or(0);
-    assert!(n_gen >= 1 && n_gen <= 12, "{usage}");
+    assert!((1..=12).contains(&n_gen), "{usage}");
     assert_eq!(
         usage["total_tokens"].as_u64(),
         Some(usage["prompt_tokens"].as_u64().unwrap_or(0) + n_gen)
@@ -62,7 +62,9 @@ fn openai_python_client() {
 
     // Stop string: the text up to (not including) the stop string's first occurrence.
     if let Some(stop) = r["stop"]["stop"].as_str() {
-        let at = text.find(stop).unwrap_or_else(|| panic!("{stop:?} comes from {text:?}"));
+        let at = text
+            .find(stop)
+            .unwrap_or_else(|| panic!("{stop:?} comes from {text:?}"));
         assert_eq!(r["stop"]["text"], &text[..at]);
         assert_eq!(r["stop"]["finish_reason"], "stop");
         assert_eq!(r["stop"]["stream_text"], &text[..at]);
@@ -75,8 +77,15 @@ fn openai_python_client() {
     // vanishing probability).
     let s = &r["seeded"];
     assert_eq!(s["a"], s["b"], "seed 42 twice");
-    let others: Vec<&Value> = s["others"].as_array().map(|v| v.iter().collect()).unwrap_or_default();
-    assert!(others.iter().any(|o| *o != &s["a"]), "every seed gave {}", s["a"]);
+    let others: Vec<&Value> = s["others"]
+        .as_array()
+        .map(|v| v.iter().collect())
+        .unwrap_or_default();
+    assert!(
+        others.iter().any(|o| *o != &s["a"]),
+        "every seed gave {}",
+        s["a"]
+    );
 
     // Chat, plain and streamed.
     let ch = &r["chat"];
@@ -98,11 +107,22 @@ fn openai_python_client() {
         let lps: Vec<f64> = top.iter().map(|x| x[1].as_f64().unwrap_or(1.0)).collect();
         assert!(lps.windows(2).all(|w| w[0] >= w[1]), "{t}");
         assert!(lps.iter().all(|&l| l <= 0.0), "{t}");
-        assert_eq!(t["logprob"].as_f64(), Some(lps[0]), "greedy picks the top token: {t}");
+        assert_eq!(
+            t["logprob"].as_f64(),
+            Some(lps[0]),
+            "greedy picks the top token: {t}"
+        );
     }
     let clp = &r["completion_logprobs"];
-    assert_eq!(clp["tokens"].as_array().map(Vec::len), clp["token_logprobs"].as_array().map(Vec::len));
-    assert_eq!(clp["top_logprobs"][0].as_object().map(|m| m.len()), Some(2), "{clp}");
+    assert_eq!(
+        clp["tokens"].as_array().map(Vec::len),
+        clp["token_logprobs"].as_array().map(Vec::len)
+    );
+    assert_eq!(
+        clp["top_logprobs"][0].as_object().map(|m| m.len()),
+        Some(2),
+        "{clp}"
+    );
 
     // Errors come back as the client's typed exceptions.
     let e = &r["errors"];
@@ -156,9 +176,16 @@ fn concurrent_requests_equal_sequential() {
             &json!({"prompt": p, "max_tokens": max, "temperature": 0, "ignore_eos": true}),
         );
         assert_eq!(status, 200, "{v}");
-        v["choices"][0]["text"].as_str().unwrap_or_default().to_string()
+        v["choices"][0]["text"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string()
     };
-    let alone: Vec<String> = prompts.iter().enumerate().map(|(i, p)| one(p, 8 + i as u64 * 3)).collect();
+    let alone: Vec<String> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| one(p, 8 + i as u64 * 3))
+        .collect();
     let together: Vec<String> = std::thread::scope(|s| {
         let hs: Vec<_> = prompts
             .iter()
@@ -169,7 +196,10 @@ fn concurrent_requests_equal_sequential() {
             })
             .collect();
         hs.into_iter()
-            .map(|h| h.join().unwrap_or_else(|_| panic!("request thread panicked")))
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| panic!("request thread panicked"))
+            })
             .collect()
     });
     assert_eq!(together, alone);

@@ -11,11 +11,17 @@ use serde_json::{json, Value};
 
 use crate::support::{self, Server};
 
-const CTX: usize = 64;
+const CTX: usize = 256;
 const BODY_LIMIT: usize = 4096;
 
 /// (name, path, body, expected status, expected `error.param` when one field is to blame).
-fn corpus() -> Vec<(&'static str, &'static str, String, u16, Option<&'static str>)> {
+fn corpus() -> Vec<(
+    &'static str,
+    &'static str,
+    String,
+    u16,
+    Option<&'static str>,
+)> {
     let c = "/v1/completions";
     let ch = "/v1/chat/completions";
     let big = format!("{{\"prompt\": \"{}\"}}", "a".repeat(BODY_LIMIT * 2));
@@ -59,7 +65,10 @@ fn corpus() -> Vec<(&'static str, &'static str, String, u16, Option<&'static str
 
 fn check_error_object(name: &str, v: &Value) {
     let (kind, message) = support::error_of(v);
-    assert!(!kind.is_empty() && !message.is_empty(), "{name}: not an error object: {v}");
+    assert!(
+        !kind.is_empty() && !message.is_empty(),
+        "{name}: not an error object: {v}"
+    );
 }
 
 #[test]
@@ -68,7 +77,14 @@ fn malformed_request_corpus() {
     let limit = BODY_LIMIT.to_string();
     let mut server = Server::start(
         &support::fixture(),
-        &["--ctx", &ctx, "--max-body-bytes", &limit, "--body-timeout-secs", "2"],
+        &[
+            "--ctx",
+            &ctx,
+            "--max-body-bytes",
+            &limit,
+            "--body-timeout-secs",
+            "2",
+        ],
         Some("step-delay-ms=5"),
     );
     server.wait_ready();
@@ -85,26 +101,45 @@ fn malformed_request_corpus() {
         if let Some(p) = param {
             assert_eq!(v["error"]["param"], p, "{name}: {v}");
         }
-        table.push(format!("| {name} | {status} | {} |", v["error"]["message"].as_str().unwrap_or("")));
+        table.push(format!(
+            "| {name} | {status} | {} |",
+            v["error"]["message"].as_str().unwrap_or("")
+        ));
     }
 
     // Wrong method and unknown path: error objects too.
-    let (got, answer) = support::raw(&server.addr, b"GET /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", false);
+    let (got, answer) = support::raw(
+        &server.addr,
+        b"GET /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        false,
+    );
     assert_eq!(got, Some(405), "{answer}");
     check_error_object("GET /v1/completions", &support::raw_body(&answer));
     table.push("| GET /v1/completions | 405 | |".into());
-    let (got, answer) = support::raw(&server.addr, b"GET /v2/nothing HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", false);
+    let (got, answer) = support::raw(
+        &server.addr,
+        b"GET /v2/nothing HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        false,
+    );
     assert_eq!(got, Some(404), "{answer}");
     check_error_object("unknown path", &support::raw_body(&answer));
     table.push("| GET /v2/nothing | 404 | |".into());
 
     // A truncated body: Content-Length promises more than arrives, then the client half-closes.
     let body = br#"{"prompt": "hello", "max_tok"#;
-    let (got, answer) = support::raw(&server.addr, &support::http_post("/v1/completions", body, 200), true);
+    let (got, answer) = support::raw(
+        &server.addr,
+        &support::http_post("/v1/completions", body, 200),
+        true,
+    );
     assert_eq!(got, Some(400), "truncated body: {answer}");
     table.push("| truncated body, client half-closes | 400 | |".into());
     // A truncated body whose client just stops sending: the body timeout answers.
-    let (got, answer) = support::raw(&server.addr, &support::http_post("/v1/completions", body, 200), false);
+    let (got, answer) = support::raw(
+        &server.addr,
+        &support::http_post("/v1/completions", body, 200),
+        false,
+    );
     assert_eq!(got, Some(408), "stalled body: {answer}");
     table.push("| truncated body, client stalls | 408 | |".into());
     // A body cut off and the connection dropped: nothing to answer; the server goes on.
@@ -115,18 +150,25 @@ fn malformed_request_corpus() {
 
     // Disconnects mid stream and mid request: the generations are cancelled.
     let cancelled0 = server.metric("plumbline_requests_cancelled_total");
-    let stream_req = json!({"prompt": "a", "max_tokens": 50, "stream": true, "ignore_eos": true}).to_string();
+    let stream_req =
+        json!({"prompt": "a", "max_tokens": 50, "stream": true, "ignore_eos": true}).to_string();
     {
         let mut s = TcpStream::connect(&server.addr).unwrap_or_else(|e| panic!("{e}"));
         s.set_read_timeout(Some(support::HTTP_TIMEOUT)).ok();
-        s.write_all(&support::http_post("/v1/completions", stream_req.as_bytes(), stream_req.len()))
-            .unwrap_or_else(|e| panic!("{e}"));
+        s.write_all(&support::http_post(
+            "/v1/completions",
+            stream_req.as_bytes(),
+            stream_req.len(),
+        ))
+        .unwrap_or_else(|e| panic!("{e}"));
         let mut r = BufReader::new(s);
         let mut n_data = 0;
         let mut line = String::new();
         while n_data < 3 {
             line.clear();
-            let n = r.read_line(&mut line).unwrap_or_else(|e| panic!("reading the stream: {e}"));
+            let n = r
+                .read_line(&mut line)
+                .unwrap_or_else(|e| panic!("reading the stream: {e}"));
             assert!(n > 0, "the stream ended before 3 events");
             if line.starts_with("data: ") {
                 n_data += 1;
@@ -138,22 +180,37 @@ fn malformed_request_corpus() {
     let plain_req = json!({"prompt": "a", "max_tokens": 50, "ignore_eos": true}).to_string();
     {
         let mut s = TcpStream::connect(&server.addr).unwrap_or_else(|e| panic!("{e}"));
-        s.write_all(&support::http_post("/v1/completions", plain_req.as_bytes(), plain_req.len()))
-            .unwrap_or_else(|e| panic!("{e}"));
+        s.write_all(&support::http_post(
+            "/v1/completions",
+            plain_req.as_bytes(),
+            plain_req.len(),
+        ))
+        .unwrap_or_else(|e| panic!("{e}"));
         // Wait until the generation runs, then go away without reading.
-        wait_until(Duration::from_secs(10), || server.metric("plumbline_running_requests") >= 1.0);
+        wait_until(Duration::from_secs(10), || {
+            server.metric("plumbline_running_requests") >= 1.0
+        });
     }
     table.push("| client disconnects before the answer | cancelled | |".into());
     wait_until(Duration::from_secs(10), || {
         server.metric("plumbline_requests_cancelled_total") >= cancelled0 + 2.0
     });
-    wait_until(Duration::from_secs(10), || server.metric("plumbline_running_requests") == 0.0);
+    wait_until(Duration::from_secs(10), || {
+        server.metric("plumbline_running_requests") == 0.0
+    });
     // Cancelled, not finished: fewer tokens than the two requests' 100 were generated... each
     // ran at most a few 5 ms steps past its disconnect.
-    assert!(server.alive(), "the server exited; stderr:\n{}", server.stderr());
+    assert!(
+        server.alive(),
+        "the server exited; stderr:\n{}",
+        server.stderr()
+    );
 
     // Still serving, still ready.
-    let (status, v) = support::post_json(&server.url("/v1/completions"), &json!({"prompt": "hello", "max_tokens": 4}));
+    let (status, v) = support::post_json(
+        &server.url("/v1/completions"),
+        &json!({"prompt": "hello", "max_tokens": 4}),
+    );
     assert_eq!(status, 200, "{v}");
     let (status, v) = support::post_json(
         &server.url("/v1/chat/completions"),
@@ -163,13 +220,19 @@ fn malformed_request_corpus() {
     let (status, _) = support::get(&server.url("/ready")).unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(status, 200);
     assert!(!server.stderr().contains("panicked"), "{}", server.stderr());
-    println!("| request | status | message |\n|---|---|---|\n{}", table.join("\n"));
+    println!(
+        "| request | status | message |\n|---|---|---|\n{}",
+        table.join("\n")
+    );
 }
 
 fn wait_until(limit: Duration, mut pred: impl FnMut() -> bool) {
     let t0 = Instant::now();
     while !pred() {
-        assert!(t0.elapsed() < limit, "condition not reached within {limit:?}");
+        assert!(
+            t0.elapsed() < limit,
+            "condition not reached within {limit:?}"
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
 }
@@ -180,22 +243,36 @@ fn wait_until(limit: Duration, mut pred: impl FnMut() -> bool) {
 fn full_queue_answers_429_and_disconnect_frees_the_slot() {
     let mut server = Server::start(
         &support::fixture(),
-        &["--max-batch", "1", "--queue", "1", "--ready-idle-secs", "600"],
+        &[
+            "--max-batch",
+            "1",
+            "--queue",
+            "1",
+            "--ready-idle-secs",
+            "600",
+        ],
         Some("step-delay-ms=20"),
     );
     server.wait_ready();
     let url = server.url("/v1/completions");
     // A: streams 1000 tokens (20 s at 20 ms a step), holding the only slot.
-    let a_req = json!({"prompt": "a", "max_tokens": 1000, "stream": true, "ignore_eos": true}).to_string();
+    let a_req =
+        json!({"prompt": "a", "max_tokens": 1000, "stream": true, "ignore_eos": true}).to_string();
     let a = TcpStream::connect(&server.addr).unwrap_or_else(|e| panic!("{e}"));
     a.set_read_timeout(Some(support::HTTP_TIMEOUT)).ok();
-    (&a).write_all(&support::http_post("/v1/completions", a_req.as_bytes(), a_req.len()))
-        .unwrap_or_else(|e| panic!("{e}"));
+    (&a).write_all(&support::http_post(
+        "/v1/completions",
+        a_req.as_bytes(),
+        a_req.len(),
+    ))
+    .unwrap_or_else(|e| panic!("{e}"));
     let mut a_reader = BufReader::new(a);
     let mut line = String::new();
     while !line.starts_with("data: ") {
         line.clear();
-        let n = a_reader.read_line(&mut line).unwrap_or_else(|e| panic!("{e}"));
+        let n = a_reader
+            .read_line(&mut line)
+            .unwrap_or_else(|e| panic!("{e}"));
         assert!(n > 0, "A ended early");
     }
     // B: queued behind A.
@@ -203,7 +280,9 @@ fn full_queue_answers_429_and_disconnect_frees_the_slot() {
     let b = std::thread::spawn(move || {
         support::post_json(&b_url, &json!({"prompt": "b", "max_tokens": 3}))
     });
-    wait_until(Duration::from_secs(10), || server.metric("plumbline_queue_depth") >= 1.0);
+    wait_until(Duration::from_secs(10), || {
+        server.metric("plumbline_queue_depth") >= 1.0
+    });
     // C: no room.
     let (status, v) = support::post_json(&url, &json!({"prompt": "c", "max_tokens": 3}));
     assert_eq!(status, 429, "{v}");

@@ -30,9 +30,16 @@ fn not_ready_through_slow_warmup_then_ready() {
     assert!(before.iter().all(|(s, _)| *s == 503), "{before:?}");
     let warming: Vec<_> = before
         .iter()
-        .filter(|(_, v)| v["reason"].as_str().is_some_and(|r| r.contains("warming up")))
+        .filter(|(_, v)| {
+            v["reason"]
+                .as_str()
+                .is_some_and(|r| r.contains("warming up"))
+        })
         .collect();
-    assert!(!warming.is_empty(), "no 'warming up' reason among {before:?}");
+    assert!(
+        !warming.is_empty(),
+        "no 'warming up' reason among {before:?}"
+    );
     // The 200 came from a real generation: one probe token counted.
     assert!(server.metric("plumbline_ready_probes_ok_total") >= 1.0);
     assert_eq!(server.metric("plumbline_ready"), 1.0);
@@ -58,9 +65,17 @@ fn broken_generation_turns_ready_503_and_back() {
     // Broken with no traffic: the idle re-probe finds it.
     std::fs::write(&flag, b"").unwrap_or_else(|e| panic!("{e}"));
     let v = server.wait_ready_state(Duration::from_secs(20), |s, v| {
-        s == 503 && v["reason"].as_str().is_some_and(|r| r.contains("probe failed"))
+        s == 503
+            && v["reason"]
+                .as_str()
+                .is_some_and(|r| r.contains("probe failed"))
     });
-    assert!(v["reason"].as_str().is_some_and(|r| r.contains("generation broken")), "{v}");
+    assert!(
+        v["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("generation broken")),
+        "{v}"
+    );
     // The process is up and says so; requests fail with a 500 error object, not a hang.
     let (status, _) = support::get(&server.url("/health")).unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(status, 200);

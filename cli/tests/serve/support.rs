@@ -28,8 +28,10 @@ pub fn fixture() -> PathBuf {
     static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();
     static PATH: OnceLock<PathBuf> = OnceLock::new();
     PATH.get_or_init(|| {
-        let dir = DIR.get_or_init(|| tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}")));
-        let spec = golden::by_name("gemma3-q4_k_m").unwrap_or_else(|| panic!("fixture gemma3-q4_k_m"));
+        let dir =
+            DIR.get_or_init(|| tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}")));
+        let spec =
+            golden::by_name("gemma3-q4_k_m").unwrap_or_else(|| panic!("fixture gemma3-q4_k_m"));
         golden::write(&spec, dir.path()).unwrap_or_else(|e| panic!("writing the fixture: {e}"))
     })
     .clone()
@@ -62,9 +64,17 @@ impl Server {
             Some(h) => cmd.env("PLUMBLINE_SERVE_TEST_HOOKS", h),
             None => cmd.env_remove("PLUMBLINE_SERVE_TEST_HOOKS"),
         };
-        let mut child = cmd.spawn().unwrap_or_else(|e| panic!("spawning {}: {e}", bin()));
-        let stdout = child.stdout.take().unwrap_or_else(|| panic!("child stdout"));
-        let stderr_pipe = child.stderr.take().unwrap_or_else(|| panic!("child stderr"));
+        let mut child = cmd
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawning {}: {e}", bin()));
+        let stdout = child
+            .stdout
+            .take()
+            .unwrap_or_else(|| panic!("child stdout"));
+        let stderr_pipe = child
+            .stderr
+            .take()
+            .unwrap_or_else(|| panic!("child stderr"));
         let stderr = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
         let sink = stderr.clone();
         std::thread::spawn(move || {
@@ -147,7 +157,11 @@ impl Server {
     }
 
     /// Poll `/ready` until `pred(status, body)` holds, within `limit`.
-    pub fn wait_ready_state(&mut self, limit: Duration, pred: impl Fn(u16, &Value) -> bool) -> Value {
+    pub fn wait_ready_state(
+        &mut self,
+        limit: Duration,
+        pred: impl Fn(u16, &Value) -> bool,
+    ) -> Value {
         let t0 = Instant::now();
         let mut last = None;
         while t0.elapsed() < limit {
@@ -160,7 +174,10 @@ impl Server {
             }
             std::thread::sleep(Duration::from_millis(50));
         }
-        panic!("/ready never reached the expected state within {limit:?}; last {last:?}; stderr:\n{}", self.stderr());
+        panic!(
+            "/ready never reached the expected state within {limit:?}; last {last:?}; stderr:\n{}",
+            self.stderr()
+        );
     }
 
     /// A metric's value from `/metrics` (first sample whose line starts with `name`).
@@ -305,11 +322,24 @@ pub fn generate(model: &Path, prompt: &str, max_tokens: usize) -> (String, usize
         .arg("generate")
         .arg("--model")
         .arg(model)
-        .args(["--prompt", prompt, "--max-tokens", &max_tokens.to_string(), "--threads", "2", "--json"])
+        .args([
+            "--prompt",
+            prompt,
+            "--max-tokens",
+            &max_tokens.to_string(),
+            "--threads",
+            "2",
+            "--json",
+        ])
         .output()
         .unwrap_or_else(|e| panic!("running plumbline generate: {e}"));
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let v: Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("generate --json: {e}"));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value =
+        serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("generate --json: {e}"));
     (
         v["text"].as_str().unwrap_or_default().to_string(),
         v["n_generated"].as_u64().unwrap_or_default() as usize,

@@ -561,8 +561,8 @@ mod tests {
         let m = avx2_box();
         let cases = Matrix::enumerate(&models(), &m);
         // Base: (1 + 3 + 2) weight types × 3 CPU backends = 18. Extended (gemma3-270m, llama):
-        // 6 CUDA + 3 CPU TP + 6 CUDA TP (sm90 stand-in) + 3 spec = 18 each.
-        assert_eq!(cases.len(), 18 + 2 * 18);
+        // 6 CUDA + 3 CPU TP + 6 CUDA TP (sm90 stand-in) + 3 spec + 1 serve = 19 each.
+        assert_eq!(cases.len(), 18 + 2 * 19);
         let names: std::collections::BTreeSet<String> = cases.iter().map(Case::name).collect();
         assert_eq!(names.len(), cases.len());
         for n in [
@@ -570,6 +570,7 @@ mod tests {
             "gemma3-270m/q4_k_m/cuda-sm120/tp1-shm/off",
             "gemma3-270m/q4_k_m/cuda-sm90/tp8-nvlink/off",
             "gemma3-270m/q4_k_m/cpu-avx2/tp2-shm/tree-b8k4",
+            "gemma3-270m/q4_k_m/cpu-avx2/tp1-shm/serve",
             "llama/q4_0/cpu-avx2/tp4-shm/off",
         ] {
             assert!(names.contains(n), "{n}");
@@ -591,10 +592,10 @@ mod tests {
             .filter(|c| c.skip_reason(&m).is_none())
             .map(|c| c.name())
             .collect();
-        // llama 3 weights + gemma3 2 weights, on scalar and avx2.
-        assert_eq!(runnable.len(), 10);
-        assert!(runnable
-            .iter()
-            .all(|n| n.contains("/tp1-shm/off") && !n.contains("avx512")));
+        // llama 3 weights + gemma3 2 weights, on scalar and avx2, and llama's serve case.
+        assert_eq!(runnable.len(), 11);
+        assert!(runnable.iter().all(|n| (n.contains("/tp1-shm/off")
+            || n == "llama/q4_0/cpu-avx2/tp1-shm/serve")
+            && !n.contains("avx512")));
     }
 }

@@ -26,7 +26,10 @@ pub fn run(case: &Case, env: &CaseEnv<'_>, refs: &mut ReferenceCache) -> Result<
     let name = case.name();
     let started = Instant::now();
     let Some(isa) = super::run_case::isa_of(case.backend) else {
-        return Ok(CaseResult::skipped(&name, "the server runs on CPU backends only"));
+        return Ok(CaseResult::skipped(
+            &name,
+            "the server runs on CPU backends only",
+        ));
     };
     let budget = Budget::for_model(env.real);
     let model = Model::load(env.path).with_context(|| format!("loading {}", env.path.display()))?;
@@ -64,7 +67,10 @@ pub fn run(case: &Case, env: &CaseEnv<'_>, refs: &mut ReferenceCache) -> Result<
         .send(body.to_string())
         .context("POST /v1/completions")?;
     let status = r.status().as_u16();
-    let text = r.body_mut().read_to_string().context("reading the answer")?;
+    let text = r
+        .body_mut()
+        .read_to_string()
+        .context("reading the answer")?;
     drop(server);
     if status != 200 {
         bail!("/v1/completions answered {status}: {text}");
@@ -117,7 +123,10 @@ fn parse(lp: &Value, n_vocab: usize) -> Result<(Vec<u32>, Vec<f32>)> {
     let mut rows = vec![f32::NEG_INFINITY; tokens.len() * n_vocab];
     for (k, (t, top)) in tokens.iter().zip(tops).enumerate() {
         ids.push(id_of(t.as_str().context("a token is not a string")?)?);
-        for (name, p) in top.as_object().context("top_logprobs entry is not an object")? {
+        for (name, p) in top
+            .as_object()
+            .context("top_logprobs entry is not an object")?
+        {
             let id = id_of(name)? as usize;
             if id < n_vocab {
                 rows[k * n_vocab + id] = p.as_f64().unwrap_or(f64::NEG_INFINITY) as f32;
