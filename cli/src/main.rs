@@ -11,6 +11,7 @@ mod generate;
 mod inspect;
 mod perplexity;
 mod spec_bench;
+mod serve;
 mod tokenize;
 mod tp_plan;
 
@@ -44,6 +45,8 @@ enum Command {
     Doctor(doctor::Args),
     /// Show how N tensor-parallel ranks hold the model and the communication per token
     TpPlan(tp_plan::Args),
+    /// Serve the model over an OpenAI-compatible HTTP API (ready only once it can generate)
+    Serve(serve::Args),
 }
 
 fn main() -> ExitCode {
@@ -62,6 +65,7 @@ fn main() -> ExitCode {
         #[cfg(feature = "cuda")]
         Command::Doctor(args) => doctor::run(args),
         Command::TpPlan(args) => tp_plan::run(args),
+        Command::Serve(args) => serve::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -8,6 +8,7 @@ mod golden;
 mod gpu_archive;
 mod kernels;
 mod quant_errors;
+mod serve_bench;
 mod verify;
 
 use anyhow::Result;
@@ -45,6 +46,8 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Start `plumbline serve`, drive streaming load per concurrency, report TTFT/ITL/throughput
+    ServeBench(serve_bench::Args),
 }
 
 fn main() -> Result<()> {
@@ -67,6 +70,7 @@ fn main() -> Result<()> {
         Command::Verify(args) => verify::run(args)?,
         Command::Compare(args) => compare::run(args)?,
         Command::Bench(args) => bench::run(args)?,
+        Command::ServeBench(args) => serve_bench::run(args)?,
     }
     Ok(())
 }

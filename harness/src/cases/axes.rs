@@ -104,6 +104,8 @@ pub enum Spec {
         budget: u32,
         top_k: u32,
     },
+    /// No speculation; served by `plumbline serve` and judged through its HTTP API.
+    Serve,
 }
 
 impl Spec {
@@ -124,6 +126,7 @@ impl fmt::Display for Spec {
         match self {
             Spec::Off => f.write_str("off"),
             Spec::Tree { budget, top_k } => write!(f, "tree-b{budget}k{top_k}"),
+            Spec::Serve => f.write_str("serve"),
         }
     }
 }
@@ -133,6 +136,9 @@ impl FromStr for Spec {
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         if s == "off" {
             return Ok(Spec::Off);
+        }
+        if s == "serve" {
+            return Ok(Spec::Serve);
         }
         let bad = || HarnessError::UnknownSpec(s.to_owned());
         let rest = s.strip_prefix("tree-b").ok_or_else(bad)?;

@@ -124,7 +124,7 @@ impl Case {
         if self.tp > 1 && !e.tensor_parallel {
             return Some("tensor parallelism not implemented in the engine yet".into());
         }
-        if self.spec != Spec::Off && !e.speculative {
+        if matches!(self.spec, Spec::Tree { .. }) && !e.speculative {
             return Some("speculative decoding not implemented yet".into());
         }
         if let Some(how) = machine.models_missing.get(&self.model) {
@@ -387,6 +387,8 @@ impl Matrix {
                     Spec::TREE_B8K4,
                 ));
             }
+            // Serving: the greedy gate through `plumbline serve` (xtask verify/serve_case.rs).
+            cases.push(Case::new(&m.name, w0, cpu, 1, Topology::Shm, Spec::Serve));
         }
         cases
     }
@@ -568,8 +570,8 @@ mod tests {
         let cases = Matrix::enumerate(&models(), &m);
         // Base: (1 + 3 + 2) weight types × 3 CPU backends = 18. Extended (gemma3-270m, llama):
         // 6 CUDA + 3 CPU TP + 6 CUDA TP (sm90 stand-in) + 4 spec (CPU b8k4 and b16k4, TP2,
-        // CUDA) = 19 each.
-        assert_eq!(cases.len(), 18 + 2 * 19);
+        // CUDA) + 1 serve = 20 each.
+        assert_eq!(cases.len(), 18 + 2 * 20);
         let names: std::collections::BTreeSet<String> = cases.iter().map(Case::name).collect();
         assert_eq!(names.len(), cases.len());
         for n in [
@@ -578,6 +580,7 @@ mod tests {
             "gemma3-270m/q4_k_m/cuda-sm90/tp8-nvlink/off",
             "gemma3-270m/q4_k_m/cpu-avx2/tp2-shm/tree-b8k4",
             "gemma3-270m/q4_k_m/cpu-avx2/tp1-shm/tree-b16k4",
+            "gemma3-270m/q4_k_m/cpu-avx2/tp1-shm/serve",
             "llama/q4_0/cpu-avx2/tp4-shm/off",
         ] {
             assert!(names.contains(n), "{n}");
@@ -599,10 +602,10 @@ mod tests {
             .filter(|c| c.skip_reason(&m).is_none())
             .map(|c| c.name())
             .collect();
-        // llama 3 weights + gemma3 2 weights, on scalar and avx2.
-        assert_eq!(runnable.len(), 10);
-        assert!(runnable
-            .iter()
-            .all(|n| n.contains("/tp1-shm/off") && !n.contains("avx512")));
+        // llama 3 weights + gemma3 2 weights, on scalar and avx2, and llama's serve case.
+        assert_eq!(runnable.len(), 11);
+        assert!(runnable.iter().all(|n| (n.contains("/tp1-shm/off")
+            || n == "llama/q4_0/cpu-avx2/tp1-shm/serve")
+            && !n.contains("avx512")));
     }
 }

@@ -9,6 +9,7 @@ mod models;
 mod run_case;
 mod spec_case;
 mod tp_case;
+mod serve_case;
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -137,7 +138,12 @@ pub fn verify(args: &Args) -> Result<Report> {
             baselines: &baselines,
             bench: !args.no_bench,
         };
-        let result = match run_case::run(case, &env, &mut refs) {
+        let outcome = if case.spec == harness::cases::Spec::Serve {
+            serve_case::run(case, &env, &mut refs).map(|r| (r, None))
+        } else {
+            run_case::run(case, &env, &mut refs)
+        };
+        let result = match outcome {
             Ok((result, measured)) => {
                 // Only the real model is benched (run_case::run says why).
                 if let (true, Some(m)) = (args.update_baselines, measured) {

@@ -1,0 +1,50 @@
+//! On the real model (Gemma 3 270M Q4_K_M; skipped when not fetched): greedy over HTTP equals
+//! `plumbline generate`, and chat goes through the chat template (this GGUF has none: the
+//! Gemma fallback, which `/v1/models` names) into the ids of Gemma's turn format.
+
+use serde_json::{json, Value};
+
+use crate::support::{self, Server};
+
+#[test]
+fn real_model_greedy_equals_generate_and_chat() {
+    let Some(model) = support::real_model() else {
+        eprintln!("skipped: model not fetched: run cargo xtask fetch-model gemma3-270m");
+        return;
+    };
+    let mut server = Server::start(&model, &[], None);
+    server.wait_ready();
+    let prompt = "The capital of France is";
+    let (text, n) = support::generate(&model, prompt, 16);
+    let (status, v) = support::post_json(
+        &server.url("/v1/completions"),
+        &json!({"prompt": prompt, "max_tokens": 16, "temperature": 0}),
+    );
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["choices"][0]["text"], text.as_str());
+    assert_eq!(v["usage"]["completion_tokens"].as_u64(), Some(n as u64));
+
+    let (status, models) =
+        support::get(&server.url("/v1/models")).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(status, 200);
+    let models: Value = serde_json::from_str(&models).unwrap_or(Value::Null);
+    assert!(
+        models["data"][0]["chat_template"]
+            .as_str()
+            .is_some_and(|t| t.starts_with("fallback:gemma")),
+        "{models}"
+    );
+    // This GGUF is the base model (general.name "Gemma 3 270m", no chat template), so its chat
+    // answers are not judged; the prompt is: Gemma's turn format, special tokens parsed, one BOS:
+    // <bos> <start_of_turn> user \n Hi <end_of_turn> \n <start_of_turn> model \n = 10 tokens.
+    let (status, v) = support::post_json(
+        &server.url("/v1/chat/completions"),
+        &json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8, "temperature": 0}),
+    );
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["usage"]["prompt_tokens"], 10, "{v}");
+    let answer = v["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(!answer.contains("<start_of_turn>"), "{answer:?}");
+}

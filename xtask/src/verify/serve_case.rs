@@ -1,0 +1,137 @@
+//! The serving case (`…/serve`): start `plumbline serve` on loopback with the case's backend,
+//! wait for `/ready` (a real generation through the request path), then run the greedy coherence
+//! gate through HTTP: the reference's greedy prompt ids in, greedy ids out (vLLM's
+//! `return_tokens_as_token_ids`), compared with the reference's greedy continuation under the same
+//! near-tie rule as the offline cases.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use engine::model::Model;
+use engine::tokenizer::Tokenizer;
+use harness::cases::Case;
+use harness::coherence::{self, GreedyRows};
+use harness::gate::GateResult;
+use harness::report::{CaseResult, Figure};
+use serde_json::{json, Value};
+
+use super::run_case::{Budget, CaseEnv, ReferenceCache};
+use crate::serve_bench;
+
+/// Alternatives asked per token: enough to hold the reference's token at a near-tie (the tie
+/// rule needs its engine log-probability; a token outside the top 5 is no near-tie).
+const TOP: usize = 5;
+
+pub fn run(case: &Case, env: &CaseEnv<'_>, refs: &mut ReferenceCache) -> Result<CaseResult> {
+    let name = case.name();
+    let started = Instant::now();
+    let Some(isa) = super::run_case::isa_of(case.backend) else {
+        return Ok(CaseResult::skipped(
+            &name,
+            "the server runs on CPU backends only",
+        ));
+    };
+    let budget = Budget::for_model(env.real);
+    let model = Model::load(env.path).with_context(|| format!("loading {}", env.path.display()))?;
+    let tokenizer = Tokenizer::from_gguf(model.gguf()).context("reading the tokenizer")?;
+    let n_vocab = model.config().n_vocab;
+    drop(model);
+    let reference = refs.get(env.path, budget, env.real)?;
+
+    let bin = serve_bench::build_plumbline()?;
+    let extra: Vec<String> = vec![
+        "--isa".into(),
+        isa.name().into(),
+        "--threads".into(),
+        env.threads.to_string(),
+        "--max-batch".into(),
+        "2".into(),
+    ];
+    let t_start = Instant::now();
+    let (server, base) = serve_bench::start(&bin, env.path, &extra)?;
+    serve_bench::wait_ready(&base, Duration::from_secs(300))?;
+    let ready_s = t_start.elapsed().as_secs_f64();
+
+    let n = budget.n_greedy;
+    let body = json!({
+        "prompt": reference.prompt,
+        "max_tokens": n,
+        "temperature": 0,
+        "ignore_eos": true,
+        "logprobs": TOP,
+        "return_tokens_as_token_ids": true,
+    });
+    let mut r = serve_bench::agent()
+        .post(format!("{base}/v1/completions"))
+        .header("content-type", "application/json")
+        .send(body.to_string())
+        .context("POST /v1/completions")?;
+    let status = r.status().as_u16();
+    let text = r
+        .body_mut()
+        .read_to_string()
+        .context("reading the answer")?;
+    drop(server);
+    if status != 200 {
+        bail!("/v1/completions answered {status}: {text}");
+    }
+    let v: Value = serde_json::from_str(&text).context("the answer is not JSON")?;
+    let (ids, rows) = parse(&v["choices"][0]["logprobs"], n_vocab)?;
+
+    let gate = coherence::greedy_prefix_or_tie(
+        &ids,
+        &reference.greedy,
+        n,
+        &GreedyRows {
+            engine: &rows,
+            golden: &reference.greedy_rows,
+            n_vocab,
+        },
+        // The offline cases' margin (run_case.rs): 0.5 nats on each side admits the Q8
+        // activation flips seen on the real model, not a bug's whole-unit shifts.
+        0.5,
+    );
+    let ready_gate = GateResult::at_most(
+        "served_tokens",
+        (n as f64 - ids.len() as f64).abs(),
+        0.0,
+        format!("{} of {n} tokens came back", ids.len()),
+    );
+    Ok(CaseResult::judged(
+        &name,
+        None,
+        vec![ready_gate, gate],
+        vec![Figure::new("ready_s", ready_s, "s")],
+    )
+    .with_duration(started.elapsed().as_secs_f64()))
+}
+
+/// Token ids (`token_id:{id}`) and, per step, a logits row holding the top alternatives'
+/// log-probabilities (−∞ elsewhere: the tie rule compares two entries of a row, which a
+/// normalization over fewer tokens leaves unchanged).
+fn parse(lp: &Value, n_vocab: usize) -> Result<(Vec<u32>, Vec<f32>)> {
+    let id_of = |s: &str| -> Result<u32> {
+        s.strip_prefix("token_id:")
+            .and_then(|d| d.parse().ok())
+            .with_context(|| format!("expected token_id:N, found {s:?}"))
+    };
+    let tokens = lp["tokens"].as_array().context("logprobs.tokens missing")?;
+    let tops = lp["top_logprobs"]
+        .as_array()
+        .context("logprobs.top_logprobs missing")?;
+    let mut ids = Vec::with_capacity(tokens.len());
+    let mut rows = vec![f32::NEG_INFINITY; tokens.len() * n_vocab];
+    for (k, (t, top)) in tokens.iter().zip(tops).enumerate() {
+        ids.push(id_of(t.as_str().context("a token is not a string")?)?);
+        for (name, p) in top
+            .as_object()
+            .context("top_logprobs entry is not an object")?
+        {
+            let id = id_of(name)? as usize;
+            if id < n_vocab {
+                rows[k * n_vocab + id] = p.as_f64().unwrap_or(f64::NEG_INFINITY) as f32;
+            }
+        }
+    }
+    Ok((ids, rows))
+}
