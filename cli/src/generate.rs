@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use engine::model::Model;
-use engine::runtime::{Backend, CpuBackend, Engine, KvDtype, Session};
+use engine::runtime::{Backend, CpuBackend, Engine, KvDtype};
 use engine::sampling::{Sampler, SamplerConfig};
 use engine::spec::{
     self, HeadRows, Limits, ModelProposer, NgramProposer, Proposer, SpecConfig, SpecError,

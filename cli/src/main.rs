@@ -10,8 +10,8 @@ mod dump;
 mod generate;
 mod inspect;
 mod perplexity;
-mod spec_bench;
 mod serve;
+mod spec_bench;
 mod tokenize;
 mod tp_plan;
 

@@ -22,8 +22,8 @@ mod error;
 mod gguf;
 pub mod numerics;
 mod ops;
-pub mod tokenizer;
 pub mod split;
+pub mod tokenizer;
 
 use std::path::Path;
 

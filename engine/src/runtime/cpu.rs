@@ -643,7 +643,10 @@ impl Backend for CpuBackend {
         check_len("gated activation", gate.len(), up.len())?;
         match act {
             Activation::Silu => gate.iter_mut().zip(up).for_each(|(g, u)| *g = silu(*g) * u),
-            Activation::GeluTanh => (self.kernels.vector().gelu_mul)(gate, up),
+            Activation::GeluTanh => gate.iter_mut().zip(up).for_each(|(g, u)| {
+                let x = *g;
+                *g = 0.5 * x * (1.0 + (0.797_884_6 * x * (1.0 + 0.044_715 * x * x)).tanh()) * u
+            }),
         }
         Ok(())
     }

@@ -7,9 +7,9 @@ mod faults;
 mod isolate;
 mod models;
 mod run_case;
+mod serve_case;
 mod spec_case;
 mod tp_case;
-mod serve_case;
 
 use std::path::PathBuf;
 use std::time::Instant;

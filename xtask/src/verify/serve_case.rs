@@ -8,7 +8,6 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use engine::model::Model;
-use engine::tokenizer::Tokenizer;
 use harness::cases::Case;
 use harness::coherence::{self, GreedyRows};
 use harness::gate::GateResult;
@@ -33,7 +32,6 @@ pub fn run(case: &Case, env: &CaseEnv<'_>, refs: &mut ReferenceCache) -> Result<
     };
     let budget = Budget::for_model(env.real);
     let model = Model::load(env.path).with_context(|| format!("loading {}", env.path.display()))?;
-    let tokenizer = Tokenizer::from_gguf(model.gguf()).context("reading the tokenizer")?;
     let n_vocab = model.config().n_vocab;
     drop(model);
     let reference = refs.get(env.path, budget, env.real)?;

@@ -107,7 +107,7 @@ fn write_by_layer(single: &Path, dir: &Path) -> Result<Vec<PathBuf>> {
         if no == 0 {
             for (k, v) in g.metadata() {
                 if !k.starts_with("split.") {
-                    w.add_metadata(k.clone(), v.clone());
+                    w.add_metadata(k, v.clone());
                 }
             }
         }
