@@ -10,7 +10,7 @@ use anyhow::{Context, Result};
 use engine::model::Model;
 use engine::runtime::{CpuBackend, Engine, Logits, Session};
 use engine::tp::cost::{self, Link, TokenComm};
-use engine::tp::{Communicator, ShmGroup, TpEngine, TpModel, TpSession};
+use engine::tp::{TpEngine, TpModel, TpSession};
 use kernels::cpu::Isa;
 use serde_json::json;
 
@@ -224,12 +224,8 @@ pub fn tp_engine<'t>(
     backends: &'t [CpuBackend],
 ) -> Result<Option<TpEngine<'t, CpuBackend>>> {
     let Some(tp) = tp else { return Ok(None) };
-    let comms: Vec<Box<dyn Communicator>> = ShmGroup::create(tp.degree())
-        .into_iter()
-        .map(|c| Box::new(c) as Box<dyn Communicator>)
-        .collect();
     Ok(Some(
-        TpEngine::new(tp, backends, comms).context("preparing the ranks")?,
+        TpEngine::over_shm(tp, backends).context("preparing the ranks")?,
     ))
 }
 

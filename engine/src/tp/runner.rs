@@ -514,6 +514,15 @@ impl<'t, B: Backend + 't> TpEngine<'t, B> {
         self.comms.iter().map(|c| c.stats()).collect()
     }
 
+    /// [`TpEngine::new`] with the ranks talking over one `shm` group (threads of this process).
+    pub fn over_shm(tp: &'t TpModel<'t>, backends: &'t [B]) -> Result<TpEngine<'t, B>, TpError> {
+        let comms = super::comm::ShmGroup::create(tp.degree())
+            .into_iter()
+            .map(|c| Box::new(c) as Box<dyn Communicator + 't>)
+            .collect();
+        TpEngine::new(tp, backends, comms)
+    }
+
     /// One empty cache per rank.
     pub fn new_cache(&self, capacity: usize, dtype: KvDtype) -> Result<TpCache<B>, RuntimeError> {
         let caches = self

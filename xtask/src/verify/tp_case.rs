@@ -22,7 +22,7 @@ use engine::model::Model;
 use engine::runtime::{Batch, CpuBackend, Engine, KvCache, Logits, Session};
 use engine::taps::TapObserver;
 use engine::tp::cost::{self, TokenComm, LINKS};
-use engine::tp::{Communicator, ShmGroup, TpEngine, TpModel, TpSession};
+use engine::tp::{TpEngine, TpModel, TpSession};
 use harness::cases::{Case, MachineCaps, ModelSource, Spec, Topology, TP_DEGREES};
 use harness::gate::GateResult;
 use harness::report::Figure;
@@ -243,12 +243,8 @@ pub fn tp_engine<'t>(
     backends: &'t [CpuBackend],
 ) -> Result<Option<TpEngine<'t, CpuBackend>>> {
     let Some(tp) = tp else { return Ok(None) };
-    let comms: Vec<Box<dyn Communicator>> = ShmGroup::create(tp.degree())
-        .into_iter()
-        .map(|c| Box::new(c) as Box<dyn Communicator>)
-        .collect();
     Ok(Some(
-        TpEngine::new(tp, backends, comms).context("preparing the ranks")?,
+        TpEngine::over_shm(tp, backends).context("preparing the ranks")?,
     ))
 }
 
