@@ -75,11 +75,41 @@ const PROMPT_IDS: [u32; 6] = [2, 818, 5279, 529, 7001, 563];
 const NUMPY_GREEDY: [u32; 10] = [506, 5279, 529, 506, 2891, 529, 7001, 236761, 1030, 563];
 const PARIS: u32 = 9079;
 
+/// How far below the engine's best logit the reference's greedy token may sit. The engine
+/// quantizes activations to Q8 before each product and the reference does not, which moves a
+/// logit by a few hundredths; a broken layer moves it by whole units. At the fifth step three
+/// tokens lie within 0.06 of each other (engine: ids 7830 16.226, 3640 16.181, 2891 16.175),
+/// so exact greedy equality would test rounding, not the model.
+const NEAR_TIE: f32 = 0.1;
+
 #[test]
 fn greedy_matches_an_independent_numpy_forward() {
+    // Teacher-forced: feed the reference's continuation and require, at every step, that the
+    // reference's next token is the engine's argmax or within NEAR_TIE of it.
     let model = model_or_skip!();
-    let out = greedy(&model, &PROMPT_IDS, NUMPY_GREEDY.len());
-    assert_eq!(out, NUMPY_GREEDY);
+    let backend = CpuBackend::new(None, None).unwrap_or_else(|e| panic!("{e}"));
+    let engine = Engine::new(&model, &backend).unwrap_or_else(|e| panic!("{e}"));
+    let mut session = Session::new(&engine, PROMPT_IDS.len() + NUMPY_GREEDY.len())
+        .unwrap_or_else(|e| panic!("{e}"));
+    let mut logits = session
+        .forward(&PROMPT_IDS, None)
+        .unwrap_or_else(|e| panic!("{e}"));
+    let mut exact = 0;
+    for (step, &want) in NUMPY_GREEDY.iter().enumerate() {
+        let row = logits.last();
+        let best = argmax(row);
+        let gap = row[best as usize] - row[want as usize];
+        assert!(
+            gap <= NEAR_TIE,
+            "step {step}: reference token {want} sits {gap} below the engine's {best}"
+        );
+        exact += usize::from(best == want);
+        logits = session
+            .forward(&[want], None)
+            .unwrap_or_else(|e| panic!("{e}"));
+    }
+    // Near ties are rare: all but at most two steps must agree exactly.
+    assert!(exact + 2 >= NUMPY_GREEDY.len(), "only {exact} exact steps");
 }
 
 #[test]
