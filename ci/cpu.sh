@@ -38,9 +38,7 @@ log "kernels: every CUDA kernel compiled for sm_80 … sm_120, registers/spills/
 cargo xtask kernels
 
 log "verify: the CPU matrix, fixtures and the real model"
-# gemma3-270m TP2 fails its perplexity-ratio gate (0.969 vs ±0.02; KL and top-1 match TP1):
-# an open finding of issue 11, excluded here by name until it is explained, never loosened.
-cargo xtask verify --exclude 'gemma3-270m/*/tp2-shm/*'
+cargo xtask verify
 
 log "verify --faults: every injected fault detected at the expected place"
 cargo xtask verify --faults

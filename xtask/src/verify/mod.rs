@@ -132,7 +132,8 @@ pub fn verify(args: &Args) -> Result<Report> {
         };
         let env = run_case::CaseEnv {
             path,
-            real: case.model == models::REAL_MODEL,
+            // A split set of the real model is the real model (its budget and gates).
+            real: case.model.split('@').next() == Some(models::REAL_MODEL),
             threads,
             policy: &policy,
             baselines: &baselines,
