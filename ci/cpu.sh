@@ -32,7 +32,8 @@ log "fetching the real model (cached under \${PLUMBLINE_MODELS:-~/.cache/plumbli
 cargo xtask fetch-model gemma3-270m
 
 log "tests: cargo nextest run --workspace (profile ci)"
-NEXTEST_PROFILE=ci cargo nextest run --workspace
+# CI=true: a test that needs the model fails when it is absent (engine::testing::model_absent).
+CI=true NEXTEST_PROFILE=ci cargo nextest run --workspace
 
 log "kernels: every CUDA kernel compiled for sm_80 … sm_120, registers/spills/smem (~3 min on 2 cores)"
 cargo xtask kernels

@@ -59,6 +59,8 @@ pub mod model;
 pub mod runtime;
 pub mod spec;
 pub mod taps;
+#[doc(hidden)]
+pub mod testing;
 pub mod tokenizer;
 pub mod tp;
 

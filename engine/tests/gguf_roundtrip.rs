@@ -275,7 +275,7 @@ fn writer_refuses_what_gguf_cannot_hold() {
 #[test]
 fn real_model() {
     let Some(path) = model_path("gemma-3-270m-q4_k_m.gguf") else {
-        println!("skipped: model not fetched");
+        engine::testing::model_absent("the real model");
         return;
     };
     let t0 = std::time::Instant::now();

@@ -2,7 +2,7 @@
 //! independent computation.
 //!
 //! The model comes from `cargo xtask fetch-model` into `$PLUMBLINE_MODELS` or
-//! `~/.cache/plumbline/models`; without it each test prints "skipped: model not fetched" and
+//! `~/.cache/plumbline/models`; without it each test reports itself skipped (and fails under `CI`) and
 //! returns.
 
 use std::path::PathBuf;
@@ -57,7 +57,7 @@ macro_rules! model_or_skip {
         match model_path() {
             Some(p) => Model::load(&p).unwrap_or_else(|e| panic!("loading {}: {e}", p.display())),
             None => {
-                println!("skipped: model not fetched");
+                engine::testing::model_absent("the real model");
                 return;
             }
         }
@@ -68,18 +68,19 @@ macro_rules! model_or_skip {
 /// with gguf-py (independent of the engine's tokenizer).
 const PROMPT_IDS: [u32; 6] = [2, 818, 5279, 529, 7001, 563];
 
-/// Greedy ids after `PROMPT_IDS` from an independent float64/float32 NumPy forward pass over
-/// weights dequantized by gguf-py (no activation quantization): " the capital of the country
-/// of France. It is". The base 270M model does not say "Paris" first here: in that reference
+/// Greedy ids after `PROMPT_IDS` from an independent float64 NumPy forward pass over weights
+/// dequantized by gguf-py (no activation quantization): " the capital of the country of France.
+/// It is". Written by `data/numpy_greedy/gen_greedy.py` (its header says how to run it). The
+/// base 270M model does not say "Paris" first here: in that reference
 /// "▁the" leads "▁Paris" by 0.8 logits at the last prompt position.
 const NUMPY_GREEDY: [u32; 10] = [506, 5279, 529, 506, 2891, 529, 7001, 236761, 1030, 563];
 const PARIS: u32 = 9079;
 
 /// How far below the engine's best logit the reference's greedy token may sit. The engine
 /// quantizes activations to Q8 before each product and the reference does not, which moves a
-/// logit by a few hundredths; a broken layer moves it by whole units. At the fifth step three
-/// tokens lie within 0.06 of each other (engine: ids 7830 16.226, 3640 16.181, 2891 16.175),
-/// so exact greedy equality would test rounding, not the model.
+/// logit by a few hundredths; a broken layer moves it by whole units. At the fifth step the
+/// reference's ▁country leads ▁French by 0.26, and in the engine ▁French 16.226, ▁United 16.181
+/// and ▁country 16.175 lie within 0.06: exact greedy equality would test rounding, not the model.
 const NEAR_TIE: f32 = 0.1;
 
 #[test]

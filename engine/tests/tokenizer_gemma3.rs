@@ -56,7 +56,7 @@ macro_rules! tokenizer_or_skip {
         match tokenizer() {
             Some(t) => t,
             None => {
-                eprintln!("skipped: model not fetched");
+                engine::testing::model_absent("the real model");
                 return;
             }
         }
@@ -201,7 +201,7 @@ proptest! {
     #[test]
     fn roundtrip_arbitrary_text(text in "[^\u{2581}]{0,40}") {
         let Some(tok) = tokenizer() else {
-            eprintln!("skipped: model not fetched");
+            engine::testing::model_absent("the real model");
             return Ok(());
         };
         let ids = tok.encode(&text, true, false).expect("encode");

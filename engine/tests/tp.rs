@@ -143,7 +143,7 @@ fn taps_and_reductions_are_really_split() {
 #[test]
 fn real_model_tp2_and_tp4_equal_tp1() {
     let Some(path) = real_model() else {
-        eprintln!("skipped: model not fetched");
+        engine::testing::model_absent("the real model");
         return;
     };
     let model = Model::load(&path).unwrap_or_else(|e| panic!("{e}"));

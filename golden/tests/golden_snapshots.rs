@@ -74,7 +74,7 @@ fixture_tests! {
 #[test]
 fn real_model_gemma3_270m() {
     let Some(path) = snapshot::real_model_path() else {
-        println!("skipped: model not fetched ({})", snapshot::REAL_MODEL_FILE);
+        engine::testing::model_absent(snapshot::REAL_MODEL_FILE);
         return;
     };
     let summary =

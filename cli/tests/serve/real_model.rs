@@ -9,7 +9,7 @@ use crate::support::{self, Server};
 #[test]
 fn real_model_greedy_equals_generate_and_chat() {
     let Some(model) = support::real_model() else {
-        eprintln!("skipped: model not fetched: run cargo xtask fetch-model gemma3-270m");
+        engine::testing::model_absent("the real model");
         return;
     };
     let mut server = Server::start(&model, &[], None);
