@@ -171,11 +171,14 @@ pub struct Baselines(pub BTreeMap<String, Baseline>);
 pub const BASELINES_PATH: &str = "ci/baselines.json";
 
 /// A regression gate fires when a figure is more than this fraction below its baseline. Shared
-/// 2-core CI runners see co-tenant load, frequency scaling and noisy neighbours on the memory bus;
-/// run-to-run spreads of 10–20% for the same binary are common there, so 25% sits above the noise
-/// and below a real regression (a lost SIMD path or an extra pass over the weights costs ≥ 30%).
-/// Medians of several runs already remove single outliers.
-pub const DEFAULT_NOISE_MARGIN: f64 = 0.25;
+/// 2-core CI runners see co-tenant load, frequency scaling and noisy neighbours on the memory bus.
+/// Measured on one 2-core machine, same binary, three runs in one afternoon: the SIMD cases'
+/// ratios moved by up to 9%, the scalar case's prefill calibration (an FMA burst) by 50%, and
+/// baselines recorded in another session sat 30% away. At 25% correct engines failed. 40% still
+/// fails the regressions the gate exists for: a lost SIMD path costs 3× or more, and an extra
+/// pass over the weights in decode costs 2× (−50%). Medians of several runs remove single
+/// outliers.
+pub const DEFAULT_NOISE_MARGIN: f64 = 0.40;
 
 impl Baselines {
     /// Read the baselines; a missing file is an empty set (every case then reports "no baseline").
@@ -390,12 +393,12 @@ mod tests {
     fn gates_against_baseline_with_margin() {
         let mut b = Baselines::default();
         b.update("c", fig(0.1, 0.8));
-        // prefill −20% passes, decode −30% fails.
-        let g = b.gates("c", &fig(0.08, 0.56), DEFAULT_NOISE_MARGIN);
+        // prefill −30% passes, decode −50% (an extra pass over the weights) fails.
+        let g = b.gates("c", &fig(0.07, 0.4), DEFAULT_NOISE_MARGIN);
         let verdicts: Vec<(&str, bool)> = g.iter().map(|g| (g.gate, g.passed)).collect();
         assert_eq!(verdicts, [("prefill_ratio", true), ("decode_ratio", false)]);
-        assert!((g[1].threshold - 0.6).abs() < 1e-12);
-        assert_eq!(g[1].detail, "baseline 0.800, -30.0% (fails below −25%)");
+        assert!((g[1].threshold - 0.48).abs() < 1e-12);
+        assert_eq!(g[1].detail, "baseline 0.800, -50.0% (fails below −40%)");
     }
 
     #[test]
