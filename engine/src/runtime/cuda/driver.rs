@@ -52,17 +52,8 @@ fn sym<T: Copy>(
     path: &Path,
     name: &'static str,
 ) -> Result<T, LibraryError> {
-    // SAFETY: `T` is the C signature of `name` in cuda.h; the library is never unloaded.
-    unsafe {
-        lib.get::<T>(name.as_bytes())
-            .map(|s| *s)
-            .map_err(|e| LibraryError::Symbol {
-                path: path.to_path_buf(),
-                library: "CUDA driver",
-                symbol: name,
-                reason: e.to_string(),
-            })
-    }
+    // SAFETY: every caller names `T` as the C signature of `name` in cuda.h.
+    unsafe { libs::symbol(lib, path, "CUDA driver", name) }
 }
 
 /// Find and probe the driver.

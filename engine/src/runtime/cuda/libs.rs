@@ -210,3 +210,29 @@ pub fn open(path: &Path) -> Result<&'static libloading::Library, LibraryError> {
     })?;
     Ok(Box::leak(Box::new(lib)))
 }
+
+/// The symbol `name` of `lib` (opened by [`open`] from `path`), as a `T`; `library` names the
+/// library in the error ("NVRTC", "CUDA driver").
+///
+/// # Safety
+///
+/// `T` must be the C signature of `name` in that library's header. The pointer never dangles:
+/// [`open`] never unloads a library.
+pub unsafe fn symbol<T: Copy>(
+    lib: &'static libloading::Library,
+    path: &Path,
+    library: &'static str,
+    name: &'static str,
+) -> Result<T, LibraryError> {
+    // SAFETY: the caller's contract above.
+    unsafe {
+        lib.get::<T>(name.as_bytes())
+            .map(|s| *s)
+            .map_err(|e| LibraryError::Symbol {
+                path: path.to_path_buf(),
+                library,
+                symbol: name,
+                reason: e.to_string(),
+            })
+    }
+}

@@ -65,18 +65,8 @@ fn sym<T: Copy>(
     path: &Path,
     name: &'static str,
 ) -> Result<T, LibraryError> {
-    // SAFETY: `T` is the C signature of `name` in nvrtc.h; the library stays loaded forever
-    // (`libs::open` leaks it), so the pointer never dangles.
-    unsafe {
-        lib.get::<T>(name.as_bytes())
-            .map(|s| *s)
-            .map_err(|e| LibraryError::Symbol {
-                path: path.to_path_buf(),
-                library: "NVRTC",
-                symbol: name,
-                reason: e.to_string(),
-            })
-    }
+    // SAFETY: every caller names `T` as the C signature of `name` in nvrtc.h.
+    unsafe { libs::symbol(lib, path, "NVRTC", name) }
 }
 
 impl Nvrtc {
