@@ -10,7 +10,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use engine::runtime::{Backend, Batch, Engine, KvDtype, Session};
+use engine::runtime::{Backend, Batch, Engine, KvDtype};
 use engine::sampling::{Sampler, SamplerConfig};
 use engine::spec::{self, measure_cost, Limits, SpecConfig, SEQ};
 use engine::tokenizer::Tokenizer;
@@ -288,26 +288,6 @@ fn plain<B: Backend>(
     prompt: &[u32],
     limits: &Limits,
 ) -> Result<(Vec<u32>, f64)> {
-    let mut s = Session::new(engine, prompt.len() + limits.max_tokens + 1)?;
     let mut sampler = Sampler::new(SamplerConfig::greedy());
-    let mut logits = s.forward(prompt, None)?;
-    let mut history = prompt.to_vec();
-    let mut out = Vec::new();
-    let t = Instant::now();
-    loop {
-        let tok = sampler.sample(logits.last(), &history);
-        match limits.after(&out, tok) {
-            spec::Flow::StopBefore => break,
-            spec::Flow::Stop => {
-                out.push(tok);
-                break;
-            }
-            spec::Flow::Continue => {
-                out.push(tok);
-                history.push(tok);
-            }
-        }
-        logits = s.forward(&[tok], None)?;
-    }
-    Ok((out, t.elapsed().as_secs_f64()))
+    Ok(spec::generate_plain(engine, prompt, &mut sampler, limits)?)
 }

@@ -14,8 +14,8 @@ mod model_support;
 use engine::runtime::{CpuBackend, Engine, KvDtype, Session};
 use engine::sampling::{Sampler, SamplerConfig};
 use engine::spec::{
-    self, Flow, HeadRows, Limits, ModelProposer, NgramProposer, Proposer, SpecConfig,
-    SyntheticProposer, TableProposer, TreeShape,
+    self, HeadRows, Limits, ModelProposer, NgramProposer, Proposer, SpecConfig, SyntheticProposer,
+    TableProposer, TreeShape,
 };
 use kernels::cpu::Isa;
 use kernels::quant::GgmlType;
@@ -39,27 +39,13 @@ fn plain(
     cfg: SamplerConfig,
     limits: &Limits,
 ) -> Vec<u32> {
-    let mut s = ok(Session::new(engine, prompt.len() + limits.max_tokens + 1));
-    let mut sampler = Sampler::new(cfg);
-    let mut logits = ok(s.forward(prompt, None));
-    let mut history = prompt.to_vec();
-    let mut out = Vec::new();
-    loop {
-        let t = sampler.sample(logits.last(), &history);
-        match limits.after(&out, t) {
-            Flow::StopBefore => break,
-            Flow::Stop => {
-                out.push(t);
-                break;
-            }
-            Flow::Continue => {
-                out.push(t);
-                history.push(t);
-            }
-        }
-        logits = ok(s.forward(&[t], None));
-    }
-    out
+    ok(spec::generate_plain(
+        engine,
+        prompt,
+        &mut Sampler::new(cfg),
+        limits,
+    ))
+    .0
 }
 
 fn speculate(

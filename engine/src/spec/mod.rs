@@ -30,7 +30,7 @@ pub mod verify;
 
 use std::time::Instant;
 
-use crate::runtime::{Backend, Batch, Engine, KvCache, RuntimeError};
+use crate::runtime::{Backend, Batch, Engine, KvCache, RuntimeError, Session};
 use crate::sampling::Sampler;
 
 pub use acceptance::{walk, Flow, SamplerTarget, Target, Walk};
@@ -272,6 +272,38 @@ pub fn measure_cost<'m, B: Backend + 'm>(
         secs.push(s);
     }
     Ok(CostCurve { secs, head_row })
+}
+
+/// Plain decoding under the same stop rules as [`generate`]: prefill, then one token per
+/// forward. It is the baseline a speculative run must equal token for token and beat in time.
+/// Returns the tokens and the seconds spent after the prefill.
+pub fn generate_plain<'m, B: Backend + 'm>(
+    engine: &Engine<'m, B>,
+    prompt: &[u32],
+    sampler: &mut Sampler,
+    limits: &Limits,
+) -> Result<(Vec<u32>, f64), RuntimeError> {
+    let mut s = Session::new(engine, prompt.len() + limits.max_tokens + 1)?;
+    let mut logits = s.forward(prompt, None)?;
+    let mut history = prompt.to_vec();
+    let mut out = Vec::new();
+    let t = Instant::now();
+    loop {
+        let tok = sampler.sample(logits.last(), &history);
+        match limits.after(&out, tok) {
+            Flow::StopBefore => break,
+            Flow::Stop => {
+                out.push(tok);
+                break;
+            }
+            Flow::Continue => {
+                out.push(tok);
+                history.push(tok);
+            }
+        }
+        logits = s.forward(&[tok], None)?;
+    }
+    Ok((out, t.elapsed().as_secs_f64()))
 }
 
 /// Generate after `prompt` with tree speculation: prefill, draw the first token, then rounds of

@@ -18,14 +18,11 @@
 //!    depth its tree offers; `spec.speedup` (real model only): the adaptive n-gram run is not
 //!    slower than plain decoding beyond the throughput gates' noise margin (same-run ratio).
 
-use std::time::Instant;
-
 use anyhow::{Context, Result};
 use engine::runtime::{Batch, CpuBackend, Engine, KvDtype, Session};
 use engine::sampling::{Sampler, SamplerConfig};
 use engine::spec::{
-    self, verify, Flow, Limits, NgramProposer, Proposer, SpecConfig, SyntheticProposer, TreeShape,
-    SEQ,
+    self, verify, Limits, NgramProposer, Proposer, SpecConfig, SyntheticProposer, TreeShape, SEQ,
 };
 use engine::tokenizer::Tokenizer;
 use harness::gate::GateResult;
@@ -59,28 +56,12 @@ fn plain(
     cfg: SamplerConfig,
     limits: &Limits,
 ) -> Result<(Vec<u32>, f64)> {
-    let mut s = Session::new(engine, prompt.len() + limits.max_tokens + 1)?;
-    let mut sampler = Sampler::new(cfg);
-    let mut logits = s.forward(prompt, None)?;
-    let mut history = prompt.to_vec();
-    let mut out = Vec::new();
-    let t = Instant::now();
-    loop {
-        let tok = sampler.sample(logits.last(), &history);
-        match limits.after(&out, tok) {
-            Flow::StopBefore => break,
-            Flow::Stop => {
-                out.push(tok);
-                break;
-            }
-            Flow::Continue => {
-                out.push(tok);
-                history.push(tok);
-            }
-        }
-        logits = s.forward(&[tok], None)?;
-    }
-    Ok((out, t.elapsed().as_secs_f64()))
+    Ok(spec::generate_plain(
+        engine,
+        prompt,
+        &mut Sampler::new(cfg),
+        limits,
+    )?)
 }
 
 #[allow(clippy::too_many_arguments)]
