@@ -175,6 +175,87 @@ fn tree_forward_equals_each_path_and_compact_equals_plain_decoding() {
     }
 }
 
+/// Several sequences' draft trees in one forward, beside another sequence's chain (the server's
+/// speculative step): every node's logits equal its path's alone, and compacting to the
+/// accepted paths leaves each sequence as plain decoding leaves it.
+#[test]
+fn trees_of_several_sequences_in_one_batch_equal_each_alone() {
+    for arch in ARCHES {
+        let (_dir, model) = load(&Spec::new(arch));
+        let be = ok(CpuBackend::new(Some(Isa::detect()), Some(2)));
+        let engine = ok(Engine::new(&model, &be));
+        let prompts: Vec<Vec<u32>> = [(5, 31), (3, 32), (7, 33)]
+            .iter()
+            .map(|&(n, seed)| tokens(n, seed))
+            .collect();
+        let mut cache = ok(engine.new_cache(128, KvDtype::F32));
+        for (s, p) in prompts.iter().enumerate() {
+            ok(engine.forward(&mut cache, &Batch::chain(s as u32, 0, p, false), None));
+            cache.commit();
+        }
+        // Sequences 0 and 1 get a tree each (1 with other tokens), sequence 2 one chain token,
+        // interleaved: tree 0, the chain token, tree 1.
+        let mut batch = Batch::new();
+        let mut owner: Vec<(usize, Vec<u32>)> = Vec::new();
+        let mut bases = Vec::new();
+        for s in [0usize, 2, 1] {
+            let n0 = prompts[s].len() as u32;
+            if s == 2 {
+                batch.push(9, n0, 2, true);
+                let mut seq = prompts[2].clone();
+                seq.push(9);
+                owner.push((2, seq));
+                continue;
+            }
+            let base = batch.len();
+            bases.push((s, base));
+            for &(tok, parent) in &TREE {
+                let tok = tok + s as u32;
+                batch.push_node(
+                    tok,
+                    n0 + depth(parent),
+                    s as u32,
+                    parent.map(|p| base + p),
+                    true,
+                );
+            }
+            for node in 0..TREE.len() {
+                let mut seq = prompts[s].clone();
+                seq.extend(path_to(node).iter().map(|&i| TREE[i].0 + s as u32));
+                owner.push((s, seq));
+            }
+        }
+        let logits = ok(engine.forward(&mut cache, &batch, None));
+        assert_eq!(logits.n_rows, owner.len());
+        for (row, (s, seq)) in owner.iter().enumerate() {
+            let want = alone(&engine, seq);
+            let err = rel_err(logits.row(row), want.row(seq.len() - 1));
+            assert!(err <= TOL, "{arch:?} seq {s} row {row}: rel err {err}");
+        }
+        // Keep 0 → 2 → 5 of sequence 0's tree, 0 → 1 → 4 of sequence 1's, the chain token.
+        let mut keep: Vec<usize> = Vec::new();
+        for &(s, base) in &bases {
+            let path = if s == 0 { path_to(5) } else { path_to(4) };
+            keep.extend(path.iter().map(|&n| base + n));
+        }
+        keep.push(TREE.len());
+        keep.sort_unstable();
+        ok(cache.compact(&be, &keep));
+        for (s, path) in [(0usize, path_to(5)), (1, path_to(4))] {
+            let mut seq = prompts[s].clone();
+            seq.extend(path.iter().map(|&i| TREE[i].0 + s as u32));
+            assert_eq!(cache.seq_len(s as u32), seq.len(), "{arch:?} seq {s}");
+            let pos = cache.next_pos(s as u32);
+            let l = ok(engine.forward(&mut cache, &Batch::chain(s as u32, pos, &[7], false), None));
+            cache.commit();
+            seq.push(7);
+            let want = alone(&engine, &seq);
+            let err = rel_err(l.last(), want.row(seq.len() - 1));
+            assert!(err <= TOL, "{arch:?} seq {s} after compact: rel err {err}");
+        }
+    }
+}
+
 #[test]
 fn rollback_and_pending_cells_keep_the_cache_consistent() {
     let (_dir, model) = load(&Spec::new(Arch::Gemma3));

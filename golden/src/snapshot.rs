@@ -406,7 +406,8 @@ fn diff_value(
                 b.as_f64().unwrap_or(f64::NAN),
             );
             let s = scale.max(x.abs()).max(y.abs());
-            if !((x - y).abs() <= DRIFT_TOLERANCE * s) {
+            let within = (x - y).abs() <= DRIFT_TOLERANCE * s;
+            if !within {
                 out.push(format!("{at}: {x} now, {y} in the snapshot"));
             }
         }

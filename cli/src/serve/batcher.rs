@@ -1,21 +1,27 @@
-//! The engine thread: continuous batching over the core's ragged [`Engine::forward`].
+//! The engine thread: continuous batching over the core's ragged batches, on the model whole
+//! ([`Engine`]) or tensor-parallel (`--tp N`, [`engine::tp::TpEngine`]), both through
+//! [`BatchEngine`].
 //!
-//! One thread owns the model, the backend and one [`KvCache`] shared by every running request.
+//! One thread owns the model, the backends and one cache shared by every running request.
 //! Each request is a sequence (its slot index is its sequence id) in that cache. Every step:
 //!
 //! 1. requests whose client went away (their event channel is closed: the response stream or
 //!    the waiting handler was dropped) are cancelled and their cells freed;
 //! 2. waiting requests join the running batch while slots are free (between decode steps, never
 //!    in the middle of one);
-//! 3. one batch is built: the next sampled token of each decoding sequence, and up to
-//!    `prefill_chunk` prompt tokens of the sequences still prefilling (long prompts span
-//!    several steps);
+//! 3. one batch is built: up to `prefill_chunk` prompt tokens of the sequences still
+//!    prefilling (long prompts span several steps), and for each decoding sequence its next
+//!    sampled token, or with `--spec tree` its draft tree (the sampled token as root, the
+//!    nodes under it; a root alone when its policy decodes plainly);
 //! 4. one forward; each sequence that asked for logits samples its next token with its own
-//!    sampler, checks end-of-generation, stop strings and its token limit, and sends the newly
-//!    complete text to its client;
-//! 5. finished sequences are removed from the cache (`remove_seq`).
+//!    sampler, or walks its verified tree (the target's draw at each node, the lossless
+//!    acceptance of [`engine::spec`]), checks end-of-generation, stop strings and its token
+//!    limit at every token, and sends the newly complete text to its client;
+//! 5. the batch's cells are committed, or with trees compacted to the accepted paths; finished
+//!    sequences are removed from the cache.
 //!
-//! The readiness probe is an ordinary request through this same loop.
+//! The readiness probe is an ordinary request through this same loop; with speculation it asks
+//! for two tokens, and only a token from a speculative round makes the server ready.
 
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
@@ -24,14 +30,21 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use engine::model::Model;
-use engine::runtime::{Backend, Batch, Engine, KvCache, KvDtype, SeqId};
+use engine::runtime::{
+    Batch, BatchEngine, CpuBackend, Engine, KvDtype, Logits, RuntimeError, SeqId,
+};
 use engine::sampling::{Sampler, SamplerConfig};
+use engine::spec::{
+    walk, CostCurve, Flow, ModelProposer, NgramProposer, Policy, Proposer, SamplerTarget,
+    SpecConfig, SpecError, Tree, TreeShape,
+};
 use engine::tokenizer::{StreamDecoder, Tokenizer};
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::chat::ChatTemplate;
 use super::hooks::Hooks;
 use super::{AppState, ModelInfo};
+use crate::generate::Draft;
 
 /// One generation request as the engine sees it (already validated and tokenized).
 #[derive(Debug)]
@@ -96,11 +109,23 @@ pub enum Event {
     Failed(String),
 }
 
+/// `--spec tree` as the engine thread runs it.
+#[derive(Debug, Clone)]
+pub struct SpecSetup {
+    pub cfg: SpecConfig,
+    pub draft: Draft,
+    /// Tokens of history a drafter keeps.
+    pub window: usize,
+}
+
 /// Engine-thread settings.
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
     pub model_path: std::path::PathBuf,
     pub run: crate::generate::RunArgs,
+    /// Tensor-parallel ranks (1: the model whole).
+    pub tp: usize,
+    pub spec: Option<SpecSetup>,
     pub max_batch: usize,
     /// Positions per sequence (prompt + generated).
     pub ctx: usize,
@@ -110,32 +135,106 @@ pub struct EngineConfig {
 
 /// Load the model, publish its tokenizer and template, then batch until shutdown.
 pub fn run(cfg: EngineConfig, state: Arc<AppState>, rx: Receiver<Job>) -> Result<()> {
-    let loaded = load(&cfg);
-    let (model, backend, tokenizer, template) = match loaded {
-        Ok(v) => v,
-        Err(e) => {
-            state
-                .ready
-                .failed(format!("the model could not be loaded: {e:#}"));
-            return Err(e);
+    let r = load_and_serve(&cfg, &state, &rx);
+    if let Err(e) = &r {
+        state
+            .ready
+            .failed(format!("the model could not be loaded: {e:#}"));
+    }
+    r
+}
+
+fn load_and_serve(cfg: &EngineConfig, state: &Arc<AppState>, rx: &Receiver<Job>) -> Result<()> {
+    let (model, backend, tokenizer, template) = load(cfg)?;
+    let draft_model = match cfg.spec.as_ref().map(|s| &s.draft) {
+        Some(Draft::Model(path)) => {
+            let dm = Model::load(path)
+                .with_context(|| format!("loading draft model {}", path.display()))?;
+            let (dv, tv) = (dm.config().n_vocab, model.config().n_vocab);
+            if dv != tv {
+                return Err(SpecError::DrafterVocab {
+                    draft: dv,
+                    target: tv,
+                })
+                .with_context(|| format!("draft model {}", path.display()));
+            }
+            Some(dm)
         }
+        _ => None,
     };
-    let engine = Engine::new(&model, &backend).context("preparing the weights")?;
-    let cache = engine
-        .new_cache(cfg.ctx.saturating_mul(cfg.max_batch), KvDtype::F32)
+    let draft_engine = match (cfg.spec.as_ref().map(|s| &s.draft), &draft_model) {
+        (Some(Draft::SelfLayers(n)), _) => Some(
+            Engine::with_layers(&model, &backend, *n)
+                .with_context(|| format!("self-draft of the first {n} layers"))?,
+        ),
+        (Some(Draft::Model(_)), Some(dm)) => {
+            Some(Engine::new(dm, &backend).context("preparing the draft model")?)
+        }
+        _ => None,
+    };
+    let loaded = Loaded {
+        tokenizer: Arc::new(tokenizer),
+        template: Some(template),
+        draft: draft_engine.as_ref(),
+    };
+    if cfg.tp > 1 {
+        let tp_model = crate::tp_plan::tp_model(&model, cfg.tp)?;
+        let backends = crate::tp_plan::tp_backends(cfg.tp, &cfg.run)?;
+        let engine = crate::tp_plan::tp_engine(tp_model.as_ref(), &backends)?
+            .context("no ranks were prepared")?;
+        serve_on(&engine, loaded, cfg, state, rx)
+    } else {
+        let engine = Engine::new(&model, &backend).context("preparing the weights")?;
+        serve_on(&engine, loaded, cfg, state, rx)
+    }
+}
+
+/// What the loop needs besides the target engine.
+struct Loaded<'d, 'm> {
+    tokenizer: Arc<Tokenizer>,
+    template: Option<ChatTemplate>,
+    /// The drafter of `--draft self:N` or `model:FILE`.
+    draft: Option<&'d Engine<'m, CpuBackend>>,
+}
+
+fn serve_on<E: BatchEngine>(
+    engine: &E,
+    mut loaded: Loaded<'_, '_>,
+    cfg: &EngineConfig,
+    state: &Arc<AppState>,
+    rx: &Receiver<Job>,
+) -> Result<()> {
+    // Each sequence's committed cells, and during a speculative step its tree beyond them.
+    let tree_cells = cfg.spec.as_ref().map_or(0, |s| s.cfg.shape.budget + 1);
+    let cells = cfg
+        .ctx
+        .saturating_add(tree_cells)
+        .saturating_mul(cfg.max_batch);
+    let mut cache = engine
+        .new_cache(cells, KvDtype::F32)
         .context("creating the KV cache")?;
-    let tokenizer = Arc::new(tokenizer);
+    let cost = match &cfg.spec {
+        Some(s) if s.cfg.adaptive && s.cfg.shape.budget > 0 => Some(
+            measure_cost(engine, &mut cache, s.cfg.shape.budget + 1)
+                .context("measuring the cost of verifying n tokens")?,
+        ),
+        _ => None,
+    };
+    let model = engine.model();
+    let template = loaded
+        .template
+        .take()
+        .context("the chat template was taken")?;
     tracing::info!(
-        backend = backend.name(),
-        isa = backend.isa().name(),
-        threads = backend.threads(),
+        engine = engine.describe(),
         chat_template = template.source().describe(),
         max_batch = cfg.max_batch,
         ctx = cfg.ctx,
+        spec = ?cfg.spec.as_ref().map(|s| (&s.draft, s.cfg.shape.budget, s.cfg.adaptive)),
         "model loaded"
     );
     let _ = state.info.set(ModelInfo {
-        tokenizer: tokenizer.clone(),
+        tokenizer: loaded.tokenizer.clone(),
         template,
         n_vocab: model.config().n_vocab,
         arch: model.config().arch_name.clone(),
@@ -146,20 +245,73 @@ pub fn run(cfg: EngineConfig, state: Arc<AppState>, rx: Receiver<Job>) -> Result
         std::thread::sleep(d);
     }
     let mut b = Batcher {
-        engine: &engine,
-        tokenizer: &tokenizer,
+        engine,
+        tokenizer: &loaded.tokenizer,
         cache,
         slots: (0..cfg.max_batch).map(|_| None).collect(),
-        state: &state,
-        cfg: &cfg,
+        state,
+        cfg,
+        draft: loaded.draft,
+        cost,
     };
-    b.run(&rx);
+    b.run(rx);
     Ok(())
 }
 
-type Loaded = (Model, engine::runtime::CpuBackend, Tokenizer, ChatTemplate);
+/// The cost of one verify forward of `n` tokens (every row through the head, as the loop runs
+/// it) for `n = 1 ..= max_n`: best of two at 1, 2, 3, 5, 9, … and `max_n`, linear between. Every
+/// measurement is dropped from `cache` (which must be empty).
+fn measure_cost<E: BatchEngine>(
+    engine: &E,
+    cache: &mut E::Cache,
+    max_n: usize,
+) -> Result<CostCurve, RuntimeError> {
+    let mut points = vec![1usize];
+    while let Some(&last) = points.last() {
+        let next = if last < 3 { last + 1 } else { 2 * last - 1 };
+        if next >= max_n {
+            break;
+        }
+        points.push(next);
+    }
+    if max_n > 1 {
+        points.push(max_n);
+    }
+    let token = 0u32;
+    let mut measured = Vec::with_capacity(points.len());
+    for &n in &points {
+        let mut best = f64::INFINITY;
+        for _ in 0..2 {
+            let batch = Batch::chain(0, 0, &vec![token; n], true);
+            let t = Instant::now();
+            engine.forward_batch(cache, &batch)?;
+            best = best.min(t.elapsed().as_secs_f64());
+            engine.compact(cache, &[])?;
+        }
+        measured.push(best);
+    }
+    let secs = (1..=max_n)
+        .map(|n| {
+            let i = points.partition_point(|&p| p < n);
+            if points[i] == n {
+                measured[i]
+            } else {
+                let (p0, p1) = (points[i - 1], points[i]);
+                let f = (n - p0) as f64 / (p1 - p0) as f64;
+                measured[i - 1] + f * (measured[i] - measured[i - 1])
+            }
+        })
+        .collect();
+    // The head rows are inside every measurement.
+    Ok(CostCurve {
+        secs,
+        head_row: 0.0,
+    })
+}
 
-fn load(cfg: &EngineConfig) -> Result<Loaded> {
+type LoadedModel = (Model, CpuBackend, Tokenizer, ChatTemplate);
+
+fn load(cfg: &EngineConfig) -> Result<LoadedModel> {
     let (model, backend) = cfg.run.load(&cfg.model_path)?;
     let tokenizer = Tokenizer::from_gguf(model.gguf())
         .with_context(|| format!("reading the tokenizer of {}", cfg.model_path.display()))?;
@@ -186,6 +338,76 @@ fn load(cfg: &EngineConfig) -> Result<Loaded> {
     Ok((model, backend, tokenizer, template))
 }
 
+/// What the loop reads while a sequence emits a token.
+#[derive(Clone, Copy)]
+struct Env<'a> {
+    tokenizer: &'a Tokenizer,
+    state: &'a AppState,
+    /// Whether this token proves the whole request path works (with speculation, only tokens
+    /// of a speculative round do: the first token comes from the prefill alone).
+    proves_ready: bool,
+}
+
+/// A sequence's output side: its text so far and what was sent of it.
+struct Emitter<'t> {
+    generated: usize,
+    decoder: StreamDecoder<'t>,
+    /// Text not sent yet because it may be the start of a stop string.
+    held: String,
+    last_token: Option<Instant>,
+}
+
+impl Emitter<'_> {
+    /// Emit sampled token `id` (drawn from `logits`): `None` to go on, or how the sequence ends
+    /// and whether `id` is part of the output.
+    fn emit(&mut self, job: &Job, id: u32, logits: &[f32], env: Env<'_>) -> Option<(Finish, Flow)> {
+        let metrics = &env.state.metrics;
+        let now = Instant::now();
+        if env.proves_ready {
+            env.state.ready.token_produced();
+        }
+        if !job.probe {
+            match self.last_token {
+                None => metrics.ttft(now.duration_since(job.enqueued).as_secs_f64()),
+                Some(t) => metrics.itl(now.duration_since(t).as_secs_f64()),
+            }
+            metrics.generated_tokens.fetch_add(1, Ordering::Relaxed);
+        } else if self.last_token.is_none() {
+            metrics.probes_ok.fetch_add(1, Ordering::Relaxed);
+        }
+        self.last_token = Some(now);
+        if !job.ignore_eos && env.tokenizer.is_eog(id) {
+            return Some((Finish::Stop, Flow::StopBefore));
+        }
+        self.generated += 1;
+        let logprob = job
+            .top_logprobs
+            .map(|k| token_logprob(env.tokenizer, logits, id, k));
+        let piece = self.decoder.push(id);
+        let (text, stopped) = scan_stop(&mut self.held, &piece, &job.stop);
+        let _ = job.events.send(Event::Delta { text, logprob });
+        if stopped {
+            return Some((Finish::Stop, Flow::Stop));
+        }
+        if self.generated >= job.max_tokens {
+            return Some((Finish::Length, Flow::Stop));
+        }
+        None
+    }
+}
+
+/// A speculating sequence's drafter and policy.
+struct SeqSpec<'a> {
+    proposer: Box<dyn Proposer + 'a>,
+    policy: Option<Policy>,
+    /// Prompt and emitted tokens: the drafter's context, its last token the next tree's root.
+    history: Vec<u32>,
+    /// Emitted tokens (what the policy observes).
+    out: Vec<u32>,
+    /// This step's tree and the batch index of its root.
+    tree: Option<(Tree, usize)>,
+}
+
 struct Active<'t> {
     seq: SeqId,
     job: Job,
@@ -196,27 +418,35 @@ struct Active<'t> {
     pos: u32,
     /// The last sampled token, to feed in the next step.
     next: Option<u32>,
-    generated: usize,
-    decoder: StreamDecoder<'t>,
-    /// Text not sent yet because it may be the start of a stop string.
-    held: String,
-    last_token: Option<Instant>,
-    /// This step's batch index whose logits this sequence samples from.
+    emitter: Emitter<'t>,
+    spec: Option<SeqSpec<'t>>,
+    /// This step's batch index whose logits this sequence samples from (prefill and plain
+    /// decoding).
     row: Option<usize>,
     /// Whether this step's batch holds tokens of this sequence.
     in_batch: bool,
 }
 
-struct Batcher<'a, 'm, B: Backend> {
-    engine: &'a Engine<'m, B>,
+/// What one step decided for a sequence.
+enum Outcome {
+    Go,
+    Finish(Finish),
+    Fail(String),
+}
+
+struct Batcher<'a, 'm, E: BatchEngine> {
+    engine: &'a E,
     tokenizer: &'a Tokenizer,
-    cache: KvCache<B>,
+    cache: E::Cache,
     slots: Vec<Option<Active<'a>>>,
     state: &'a AppState,
     cfg: &'a EngineConfig,
+    draft: Option<&'a Engine<'m, CpuBackend>>,
+    /// The adaptive policy's measured verify cost.
+    cost: Option<CostCurve>,
 }
 
-impl<'a, 'm, B: Backend> Batcher<'a, 'm, B> {
+impl<'a, 'm, E: BatchEngine> Batcher<'a, 'm, E> {
     fn run(&mut self, rx: &Receiver<Job>) {
         loop {
             if self.state.shutdown.load(Ordering::Relaxed) {
@@ -252,6 +482,45 @@ impl<'a, 'm, B: Backend> Batcher<'a, 'm, B> {
         self.slots.iter().filter(|s| s.is_some()).count()
     }
 
+    fn env(&self, proves_ready: bool) -> Env<'a> {
+        Env {
+            tokenizer: self.tokenizer,
+            state: self.state,
+            proves_ready,
+        }
+    }
+
+    /// A fresh drafter and policy for a sequence, when speculating.
+    fn seq_spec(&self, prompt: &[u32]) -> Result<Option<SeqSpec<'a>>, String> {
+        let Some(setup) = &self.cfg.spec else {
+            return Ok(None);
+        };
+        let proposer: Box<dyn Proposer + 'a> = match (&setup.draft, self.draft) {
+            (Draft::Ngram, _) => Box::new(NgramProposer::new(setup.window)),
+            (Draft::SelfLayers(n), Some(de)) => Box::new(
+                ModelProposer::new(de, setup.window, format!("self:{n}"))
+                    .map_err(|e| format!("starting the drafter: {e}"))?,
+            ),
+            (Draft::Model(p), Some(de)) => Box::new(
+                ModelProposer::new(de, setup.window, format!("model:{}", p.display()))
+                    .map_err(|e| format!("starting the drafter: {e}"))?,
+            ),
+            (d, None) => return Err(format!("the drafter {d:?} was not prepared")),
+        };
+        let policy = self.cost.as_ref().map(|c| {
+            let mut p = Policy::new(setup.cfg.shape.budget, c.clone());
+            p.shadow = !proposer.is_costly();
+            p
+        });
+        Ok(Some(SeqSpec {
+            proposer,
+            policy,
+            history: prompt.to_vec(),
+            out: Vec::new(),
+            tree: None,
+        }))
+    }
+
     fn admit(&mut self, job: Job) {
         self.state
             .metrics
@@ -268,6 +537,13 @@ impl<'a, 'm, B: Backend> Batcher<'a, 'm, B> {
                 .send(Event::Failed("no free slot in the running batch".into()));
             return;
         };
+        let spec = match self.seq_spec(&job.prompt) {
+            Ok(s) => s,
+            Err(reason) => {
+                let _ = job.events.send(Event::Failed(reason));
+                return;
+            }
+        };
         if !job.probe {
             self.state
                 .metrics
@@ -281,10 +557,13 @@ impl<'a, 'm, B: Backend> Batcher<'a, 'm, B> {
             fed: 0,
             pos: 0,
             next: None,
-            generated: 0,
-            decoder: self.tokenizer.stream_decoder(),
-            held: String::new(),
-            last_token: None,
+            emitter: Emitter {
+                generated: 0,
+                decoder: self.tokenizer.stream_decoder(),
+                held: String::new(),
+                last_token: None,
+            },
+            spec,
             row: None,
             in_batch: false,
         });
@@ -294,11 +573,11 @@ impl<'a, 'm, B: Backend> Batcher<'a, 'm, B> {
         for slot in &mut self.slots {
             if slot.as_ref().is_some_and(|a| a.job.events.is_closed()) {
                 if let Some(a) = slot.take() {
-                    self.cache.remove_seq(a.seq);
+                    self.engine.remove_seq(&mut self.cache, a.seq);
                     self.state.metrics.cancelled.fetch_add(1, Ordering::Relaxed);
                     tracing::debug!(
                         seq = a.seq,
-                        generated = a.generated,
+                        generated = a.emitter.generated,
                         "client went away; cancelled"
                     );
                 }
@@ -306,10 +585,14 @@ impl<'a, 'm, B: Backend> Batcher<'a, 'm, B> {
         }
     }
 
+    /// One step: build the batch, one forward, then every sequence in it samples (or walks its
+    /// verified tree), the cells it keeps are kept, and finished sequences leave.
     fn step(&mut self) {
         let mut batch = Batch::new();
         let mut budget = self.cfg.prefill_chunk.max(1);
-        for a in self.slots.iter_mut().flatten() {
+        let mut outcomes: Vec<(usize, Outcome)> = Vec::new();
+        for (i, slot) in self.slots.iter_mut().enumerate() {
+            let Some(a) = slot.as_mut() else { continue };
             a.row = None;
             a.in_batch = false;
             let n_prompt = a.job.prompt.len();
@@ -331,11 +614,36 @@ impl<'a, 'm, B: Backend> Batcher<'a, 'm, B> {
                 a.fed += n;
             } else if let Some(t) = a.next {
                 a.in_batch = true;
-                a.row = Some(batch.push(t, a.pos, a.seq, true));
-                a.pos += 1;
+                match a.spec.as_mut() {
+                    None => {
+                        a.row = Some(batch.push(t, a.pos, a.seq, true));
+                        a.pos += 1;
+                    }
+                    Some(s) => match draft(s, self.cfg) {
+                        Ok(tree) => {
+                            let base = batch.len();
+                            for n in 0..tree.len() {
+                                let parent = tree.parent(n).map(|p| base + p);
+                                batch.push_node(
+                                    tree.token(n),
+                                    a.pos + tree.depth(n),
+                                    a.seq,
+                                    parent,
+                                    true,
+                                );
+                            }
+                            s.tree = Some((tree, base));
+                        }
+                        Err(e) => {
+                            a.in_batch = false;
+                            outcomes.push((i, Outcome::Fail(format!("drafting: {e}"))));
+                        }
+                    },
+                }
             }
         }
         if batch.is_empty() {
+            self.apply(outcomes);
             return;
         }
         if let Some(d) = self.cfg.hooks.step_delay {
@@ -345,7 +653,7 @@ impl<'a, 'm, B: Backend> Batcher<'a, 'm, B> {
             Some(reason) => Err(reason),
             None => self
                 .engine
-                .forward(&mut self.cache, &batch, None)
+                .forward_batch(&mut self.cache, &batch)
                 .map_err(|e| format!("forward of a batch of {} tokens: {e}", batch.len())),
         };
         let logits = match result {
@@ -355,82 +663,102 @@ impl<'a, 'm, B: Backend> Batcher<'a, 'm, B> {
                 self.state
                     .ready
                     .failed(format!("generation failed: {reason}"));
-                for slot in &mut self.slots {
+                for (i, slot) in self.slots.iter().enumerate() {
                     if slot.as_ref().is_some_and(|a| a.in_batch) {
-                        if let Some(a) = slot.take() {
-                            self.cache.remove_seq(a.seq);
-                            let _ = a.job.events.send(Event::Failed(reason.clone()));
-                        }
+                        outcomes.push((i, Outcome::Fail(reason.clone())));
                     }
                 }
+                self.apply(outcomes);
                 return;
             }
         };
-        self.cache.commit();
 
+        // Tree nodes are kept only on the accepted path; everything else of the batch is kept.
+        let mut keep: Vec<bool> = vec![true; batch.len()];
+        let mut any_tree = false;
+        let (env_round, env_plain) = (self.env(true), self.env(self.cfg.spec.is_none()));
         for i in 0..self.slots.len() {
-            let Some(row) = self.slots[i].as_ref().and_then(|a| a.row) else {
+            let Some(a) = self.slots[i].as_mut() else {
                 continue;
             };
-            let Some(logits) = logits.of_token(row) else {
-                self.finish_failed(
+            if let Some((tree, base)) = a.spec.as_mut().and_then(|s| s.tree.take()) {
+                any_tree = true;
+                keep[base..base + tree.len()].fill(false);
+                let outcome = match walk_tree(a, &tree, base, &logits, env_round) {
+                    Ok((path, finish)) => {
+                        for &n in &path {
+                            keep[base + n] = true;
+                        }
+                        finish.map_or(Outcome::Go, Outcome::Finish)
+                    }
+                    Err(e) => Outcome::Fail(format!("verifying the draft tree: {e}")),
+                };
+                if !matches!(outcome, Outcome::Go) {
+                    outcomes.push((i, outcome));
+                }
+                continue;
+            }
+            let Some(row) = a.row else { continue };
+            let Some(l) = logits.of_token(row) else {
+                outcomes.push((
                     i,
-                    format!("the forward returned no logits for batch row {row}"),
-                );
+                    Outcome::Fail(format!(
+                        "the forward returned no logits for batch row {row}"
+                    )),
+                ));
                 continue;
             };
-            if let Some(done) = self.advance(i, logits) {
-                self.finish(i, done);
+            let id = a.sampler.sample(l, &[]);
+            match a.emitter.emit(&a.job, id, l, env_plain) {
+                None => {
+                    a.next = Some(id);
+                    if let Some(s) = a.spec.as_mut() {
+                        s.history.push(id);
+                        s.out.push(id);
+                    }
+                }
+                Some((finish, _)) => outcomes.push((i, Outcome::Finish(finish))),
             }
         }
+        let kept = if any_tree {
+            let keep: Vec<usize> = (0..batch.len()).filter(|&k| keep[k]).collect();
+            self.engine.compact(&mut self.cache, &keep)
+        } else {
+            self.engine.commit(&mut self.cache);
+            Ok(())
+        };
+        if let Err(e) = kept {
+            // The cache no longer matches any sequence's text: every running one is lost.
+            let reason = format!("keeping the accepted cells: {e}");
+            tracing::error!(%reason, "generation failed");
+            self.state
+                .ready
+                .failed(format!("generation failed: {reason}"));
+            outcomes = (0..self.slots.len())
+                .filter(|&i| self.slots[i].is_some())
+                .map(|i| (i, Outcome::Fail(reason.clone())))
+                .collect();
+        }
+        self.apply(outcomes);
     }
 
-    /// Sample sequence `i`'s next token from `logits`; `Some(finish)` when it is done.
-    fn advance(&mut self, i: usize, logits: &[f32]) -> Option<Finish> {
-        let tokenizer = self.tokenizer;
-        let metrics = &self.state.metrics;
-        let a = self.slots[i].as_mut()?;
-        let id = a.sampler.sample(logits, &[]);
-        let now = Instant::now();
-        self.state.ready.token_produced();
-        if !a.job.probe {
-            match a.last_token {
-                None => metrics.ttft(now.duration_since(a.job.enqueued).as_secs_f64()),
-                Some(t) => metrics.itl(now.duration_since(t).as_secs_f64()),
+    fn apply(&mut self, outcomes: Vec<(usize, Outcome)>) {
+        for (i, o) in outcomes {
+            match o {
+                Outcome::Go => {}
+                Outcome::Finish(f) => self.finish(i, f),
+                Outcome::Fail(reason) => self.finish_failed(i, reason),
             }
-            metrics.generated_tokens.fetch_add(1, Ordering::Relaxed);
-        } else if a.last_token.is_none() {
-            metrics.probes_ok.fetch_add(1, Ordering::Relaxed);
         }
-        a.last_token = Some(now);
-        if !a.job.ignore_eos && tokenizer.is_eog(id) {
-            return Some(Finish::Stop);
-        }
-        a.generated += 1;
-        let logprob = a
-            .job
-            .top_logprobs
-            .map(|k| token_logprob(tokenizer, logits, id, k));
-        let piece = a.decoder.push(id);
-        let (text, stopped) = scan_stop(&mut a.held, &piece, &a.job.stop);
-        let _ = a.job.events.send(Event::Delta { text, logprob });
-        if stopped {
-            return Some(Finish::Stop);
-        }
-        if a.generated >= a.job.max_tokens {
-            return Some(Finish::Length);
-        }
-        a.next = Some(id);
-        None
     }
 
     fn finish(&mut self, i: usize, finish: Finish) {
         let Some(mut a) = self.slots[i].take() else {
             return;
         };
-        self.cache.remove_seq(a.seq);
-        let mut tail = std::mem::take(&mut a.held);
-        tail.push_str(&a.decoder.finish());
+        self.engine.remove_seq(&mut self.cache, a.seq);
+        let mut tail = std::mem::take(&mut a.emitter.held);
+        tail.push_str(&a.emitter.decoder.finish());
         if finish == Finish::Length && !tail.is_empty() {
             let _ = a.job.events.send(Event::Delta {
                 text: tail,
@@ -445,16 +773,106 @@ impl<'a, 'm, B: Backend> Batcher<'a, 'm, B> {
         let _ = a.job.events.send(Event::Done {
             finish,
             prompt_tokens: a.job.prompt.len(),
-            completion_tokens: a.generated,
+            completion_tokens: a.emitter.generated,
         });
     }
 
     fn finish_failed(&mut self, i: usize, reason: String) {
         if let Some(a) = self.slots[i].take() {
-            self.cache.remove_seq(a.seq);
+            self.engine.remove_seq(&mut self.cache, a.seq);
             let _ = a.job.events.send(Event::Failed(reason));
         }
     }
+}
+
+/// This round's tree for a speculating sequence: the policy's budget (or the fixed one), a
+/// root alone when it decodes plainly.
+fn draft(s: &mut SeqSpec<'_>, cfg: &EngineConfig) -> Result<Tree, SpecError> {
+    let shape = cfg
+        .spec
+        .as_ref()
+        .map_or(TreeShape::new(0, 0), |x| x.cfg.shape);
+    let root = s.history.last().copied().ok_or(SpecError::EmptyContext)?;
+    let budget = s.policy.as_ref().map_or(shape.budget, Policy::choose);
+    let costly = s.proposer.is_costly();
+    let full = if budget > 0 || (s.policy.is_some() && !costly) {
+        s.proposer.propose(&s.history, shape)?
+    } else {
+        Tree::root(root)
+    };
+    let tree = full.prefix(budget);
+    if let Some(p) = s.policy.as_mut() {
+        p.record(s.out.len(), full);
+    }
+    Ok(tree)
+}
+
+/// Walk sequence `a`'s verified tree (its nodes at batch indices `base..`): the target's draw at
+/// each visited node, emitted through the sequence's emitter, down the matching child. Returns
+/// the accepted path (tree nodes) and how the sequence ends, if it does.
+fn walk_tree(
+    a: &mut Active<'_>,
+    tree: &Tree,
+    base: usize,
+    logits: &Logits,
+    env: Env<'_>,
+) -> Result<(Vec<usize>, Option<Finish>), SpecError> {
+    let Active {
+        job,
+        sampler,
+        emitter,
+        spec,
+        pos,
+        next,
+        ..
+    } = a;
+    let s = spec
+        .as_mut()
+        .ok_or_else(|| SpecError::Config("a tree for a sequence that does not speculate".into()))?;
+    let node_logits = |node: usize| {
+        logits
+            .of_token(base + node)
+            .ok_or_else(|| SpecError::Config(format!("no logits for tree node {node}")))
+    };
+    let at = std::cell::Cell::new(0usize);
+    let mut row = |node: usize| {
+        at.set(node);
+        node_logits(node).map(<[f32]>::to_vec)
+    };
+    let mut finish = None;
+    let out = &mut s.out;
+    let mut emit = |token: u32| {
+        let l = node_logits(at.get()).unwrap_or(&[]);
+        match emitter.emit(job, token, l, env) {
+            None => {
+                out.push(token);
+                Flow::Continue
+            }
+            Some((f, flow)) => {
+                if flow == Flow::Stop {
+                    out.push(token);
+                }
+                finish = Some(f);
+                flow
+            }
+        }
+    };
+    let mut target = SamplerTarget::new(&mut row, sampler);
+    let w = walk(tree, &mut target, &mut s.history, &mut emit)?;
+    let m = &env.state.metrics;
+    m.spec_rounds.fetch_add(1, Ordering::Relaxed);
+    m.spec_drafted
+        .fetch_add(tree.n_draft() as u64, Ordering::Relaxed);
+    m.spec_accepted
+        .fetch_add((w.path.len() - 1) as u64, Ordering::Relaxed);
+    if let Some(p) = s.policy.as_mut() {
+        p.observe(&s.out);
+    }
+    if finish.is_none() {
+        *pos += w.path.len() as u32;
+        *next = w.emitted.last().copied();
+    }
+    Ok((w.path, finish))
 }
 
 /// Append `piece` to the held-back text and return what can be sent now, and whether a stop

@@ -56,6 +56,10 @@ pub struct Metrics {
     pub queue_depth: AtomicUsize,
     /// Sequences in the running batch.
     pub running: AtomicUsize,
+    /// Speculative rounds, draft nodes verified, and draft tokens accepted.
+    pub spec_rounds: AtomicU64,
+    pub spec_drafted: AtomicU64,
+    pub spec_accepted: AtomicU64,
     ttft: Mutex<Histogram>,
     itl: Mutex<Histogram>,
     e2e: Mutex<Histogram>,
@@ -160,6 +164,37 @@ impl Metrics {
             "1 when /ready answers 200",
             u64::from(ready),
         );
+        let rounds = self.spec_rounds.load(Ordering::Relaxed);
+        let accepted = self.spec_accepted.load(Ordering::Relaxed);
+        counter(
+            &mut out,
+            "plumbline_spec_rounds_total",
+            "Speculative rounds (one verified draft tree each; a root alone on a plain round)",
+            rounds,
+        );
+        counter(
+            &mut out,
+            "plumbline_spec_draft_tokens_total",
+            "Draft-tree nodes verified",
+            self.spec_drafted.load(Ordering::Relaxed),
+        );
+        counter(
+            &mut out,
+            "plumbline_spec_accepted_tokens_total",
+            "Draft tokens accepted",
+            accepted,
+        );
+        let _ = writeln!(
+            out,
+            "# HELP plumbline_spec_acceptance_length Mean tokens emitted per speculative round (accepted drafts + 1)"
+        );
+        let _ = writeln!(out, "# TYPE plumbline_spec_acceptance_length gauge");
+        let tau = if rounds == 0 {
+            0.0
+        } else {
+            (accepted + rounds) as f64 / rounds as f64
+        };
+        let _ = writeln!(out, "plumbline_spec_acceptance_length {tau}");
         if let Ok(h) = self.ttft.lock() {
             h.write(
                 &mut out,

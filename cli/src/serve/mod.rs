@@ -5,8 +5,9 @@
 //!   ending in `data: [DONE]`), `GET /v1/models`, `/health` (the process answers), `/ready`
 //!   (a real generation went through the request path), `/metrics` (Prometheus text).
 //! - [`api`]: request bodies and their validation; [`error`]: OpenAI error objects.
-//! - [`batcher`]: the engine thread, continuous batching over `Engine::forward`, cancellation
-//!   when a client goes away.
+//! - [`batcher`]: the engine thread, continuous batching over the core's ragged batches (the
+//!   model whole or `--tp N` ranks), tree speculation per sequence with `--spec tree`,
+//!   cancellation when a client goes away.
 //! - [`readiness`] and the prober below; [`chat`]: the chat template (minijinja);
 //!   [`metrics`]; [`hooks`]: test-only fault and delay hooks.
 //!
@@ -34,8 +35,8 @@ use anyhow::{anyhow, bail, Context, Result};
 use engine::sampling::SamplerConfig;
 use engine::tokenizer::Tokenizer;
 
-use crate::generate::RunArgs;
-use batcher::{EngineConfig, Event, Job};
+use crate::generate::{Draft, RunArgs, SpecArgs, SpecKind};
+use batcher::{EngineConfig, Event, Job, SpecSetup};
 use chat::ChatTemplate;
 use error::ApiError;
 use hooks::Hooks;
@@ -55,6 +56,11 @@ pub struct Args {
     pub port: u16,
     #[command(flatten)]
     pub run: RunArgs,
+    /// Tensor-parallel ranks (threads on this host, `shm`); 1 runs the model whole
+    #[arg(long, default_value_t = 1)]
+    pub tp: usize,
+    #[command(flatten)]
+    pub spec: SpecArgs,
     /// Most sequences decoded together in one batch
     #[arg(long, default_value_t = 8)]
     pub max_batch: usize,
@@ -102,6 +108,9 @@ pub struct Config {
     pub body_timeout: Duration,
     pub ready_idle: Duration,
     pub probe_timeout: Duration,
+    /// Tokens a readiness probe generates: 1, or 2 with speculation (the second comes from a
+    /// speculative round).
+    pub probe_tokens: usize,
 }
 
 /// Shared by the handlers, the prober and the engine thread.
@@ -175,6 +184,16 @@ pub fn run(args: Args) -> Result<()> {
             args.ctx
         );
     }
+    if args.tp == 0 {
+        bail!("--tp must be at least 1, found 0");
+    }
+    if args.spec.spec.is_some() && args.spec.chain_head {
+        bail!(
+            "--chain-head does not apply to the server: it computes every tree node's head row \
+             in the batch's one forward"
+        );
+    }
+    spec_setup(&args.spec)?;
     if hooks.is_active() {
         tracing::warn!(?hooks, "{} is set: test hooks active", hooks::ENV_VAR);
     }
@@ -214,6 +233,7 @@ async fn serve(args: Args, hooks: Hooks) -> Result<()> {
             body_timeout: Duration::from_secs(args.body_timeout_secs),
             ready_idle: Duration::from_secs(args.ready_idle_secs.max(1)),
             probe_timeout: Duration::from_secs(args.probe_timeout_secs.max(1)),
+            probe_tokens: if args.spec.spec.is_some() { 2 } else { 1 },
         },
         info: OnceLock::new(),
         queue: tx,
@@ -227,6 +247,8 @@ async fn serve(args: Args, hooks: Hooks) -> Result<()> {
     let engine_cfg = EngineConfig {
         model_path: args.model.clone(),
         run: args.run.clone(),
+        tp: args.tp,
+        spec: spec_setup(&args.spec)?,
         max_batch: args.max_batch,
         ctx: args.ctx,
         prefill_chunk: args.prefill_chunk,
@@ -255,6 +277,24 @@ async fn serve(args: Args, hooks: Hooks) -> Result<()> {
     };
     state.shutdown.store(true, Ordering::Relaxed);
     result
+}
+
+/// `--spec tree` and its options, checked.
+fn spec_setup(args: &SpecArgs) -> Result<Option<SpecSetup>> {
+    let Some(SpecKind::Tree) = args.spec else {
+        return Ok(None);
+    };
+    let draft: Draft = args.draft.parse()?;
+    let cfg = args.config();
+    cfg.validate().context("--spec tree settings")?;
+    if args.draft_window == 0 {
+        bail!("--draft-window must be at least 1");
+    }
+    Ok(Some(SpecSetup {
+        cfg,
+        draft,
+        window: args.draft_window,
+    }))
 }
 
 async fn shutdown_signal() {
@@ -315,7 +355,8 @@ enum ProbeError {
     Failed(String),
 }
 
-/// One greedy token of "Hello" through the queue and the engine loop, as a request takes.
+/// A greedy generation after "Hello" through the queue and the engine loop, as a request takes
+/// (`probe_tokens` tokens, end-of-generation ignored), to its end.
 async fn probe(state: &AppState, info: &ModelInfo) -> Result<(), ProbeError> {
     let prompt = info
         .tokenizer
@@ -329,11 +370,11 @@ async fn probe(state: &AppState, info: &ModelInfo) -> Result<(), ProbeError> {
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
     let job = Job {
         prompt,
-        max_tokens: 1,
+        max_tokens: state.cfg.probe_tokens,
         sampler: SamplerConfig::greedy(),
         stop: Vec::new(),
         top_logprobs: None,
-        ignore_eos: false,
+        ignore_eos: true,
         events: tx,
         enqueued: Instant::now(),
         probe: true,
@@ -343,11 +384,24 @@ async fn probe(state: &AppState, info: &ModelInfo) -> Result<(), ProbeError> {
         Err(e) if e.status.as_u16() == 429 => return Err(ProbeError::Busy),
         Err(e) => return Err(ProbeError::Failed(e.message)),
     }
+    let expected = state.cfg.probe_tokens;
     let wait = async {
-        match rx.recv().await {
-            Some(Event::Delta { .. } | Event::Done { .. }) => Ok(()),
-            Some(Event::Failed(reason)) => Err(ProbeError::Failed(reason)),
-            None => Err(ProbeError::Failed("the engine dropped the probe".into())),
+        loop {
+            match rx.recv().await {
+                Some(Event::Delta { .. }) => {}
+                Some(Event::Done {
+                    completion_tokens, ..
+                }) if completion_tokens == expected => return Ok(()),
+                Some(Event::Done {
+                    completion_tokens, ..
+                }) => {
+                    return Err(ProbeError::Failed(format!(
+                        "the probe ended after {completion_tokens} of {expected} tokens"
+                    )))
+                }
+                Some(Event::Failed(reason)) => return Err(ProbeError::Failed(reason)),
+                None => return Err(ProbeError::Failed("the engine dropped the probe".into())),
+            }
         }
     };
     match tokio::time::timeout(state.cfg.probe_timeout, wait).await {

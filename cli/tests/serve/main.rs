@@ -4,6 +4,7 @@
 //! `real_model` ones run on Gemma 3 270M when it has been fetched.
 
 mod api;
+mod engines;
 mod malformed;
 mod readiness;
 mod real_model;

@@ -318,6 +318,16 @@ pub fn http_post(path: &str, body: &[u8], content_length: usize) -> Vec<u8> {
 
 /// `plumbline generate --json` on `model`: (generated text, number of generated tokens).
 pub fn generate(model: &Path, prompt: &str, max_tokens: usize) -> (String, usize) {
+    generate_with(model, prompt, max_tokens, &[])
+}
+
+/// [`generate`] with more arguments (`--tp 2`).
+pub fn generate_with(
+    model: &Path,
+    prompt: &str,
+    max_tokens: usize,
+    args: &[&str],
+) -> (String, usize) {
     let out = Command::new(bin())
         .arg("generate")
         .arg("--model")
@@ -331,6 +341,7 @@ pub fn generate(model: &Path, prompt: &str, max_tokens: usize) -> (String, usize
             "2",
             "--json",
         ])
+        .args(args)
         .output()
         .unwrap_or_else(|e| panic!("running plumbline generate: {e}"));
     assert!(

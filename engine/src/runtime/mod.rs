@@ -10,11 +10,13 @@
 //!   draft trees) against a [`KvCache`].
 //! - [`KvCache`]: cells tagged with sequence and position; pending cells of a forward are
 //!   committed, rolled back or compacted (tree speculation keeps the accepted path).
+//! - [`BatchEngine`]: the batching loop's view of an engine, whole or tensor-parallel.
 //! - [`Session`]: one sequence with its own cache (prefill, decode, logits for the last token
 //!   or for all, taps on request).
 
 mod backend;
 mod batch;
+mod batch_engine;
 mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -28,6 +30,7 @@ pub use backend::{
     AttnMeta, Backend, CellMeta, KvDtype, KvSource, Mask, QueryMeta, SeqId, Strided, WeightData,
 };
 pub use batch::Batch;
+pub use batch_engine::BatchEngine;
 pub use cpu::{CpuBackend, CpuKv, CpuMat};
 pub use engine::{Engine, Hidden, Logits};
 pub use error::RuntimeError;

@@ -18,7 +18,7 @@ use crate::model::forward::{forward_on, Weights};
 use crate::model::{
     Attention, DenseFfn, Ffn, Layer, MlaAttention, Model, ModelConfig, MoeFfn, StdAttention, Weight,
 };
-use crate::runtime::{Backend, Batch, KvCache, KvDtype, Logits, RuntimeError};
+use crate::runtime::{Backend, Batch, BatchEngine, KvCache, KvDtype, Logits, RuntimeError, SeqId};
 use crate::taps::{TapObserver, TapRecorder, Taps};
 
 use super::comm::{CommStats, Communicator};
@@ -301,6 +301,19 @@ impl<B: Backend> TpCache<B> {
 
     pub fn clear(&mut self) {
         self.caches.iter_mut().for_each(KvCache::clear);
+    }
+
+    /// Forget every committed cell of `seq` on every rank.
+    pub fn remove_seq(&mut self, seq: SeqId) {
+        self.caches.iter_mut().for_each(|c| c.remove_seq(seq));
+    }
+
+    /// [`KvCache::compact`] on every rank, each with its own backend (`backends[r]`).
+    pub fn compact(&mut self, backends: &[B], keep: &[usize]) -> Result<(), RuntimeError> {
+        for (c, be) in self.caches.iter_mut().zip(backends) {
+            c.compact(be, keep)?;
+        }
+        Ok(())
     }
 
     /// Rank 0's cache (every rank's has the same cells).
@@ -646,6 +659,44 @@ impl<'t, B: Backend + 't> TpEngine<'t, B> {
             }
             obs.tap(&t.name, &[n, full], &data);
         }
+    }
+}
+
+impl<'t, B: Backend + 't> BatchEngine for TpEngine<'t, B> {
+    type Cache = TpCache<B>;
+
+    fn model(&self) -> &crate::model::Model {
+        self.tp.model()
+    }
+
+    fn new_cache(&self, capacity: usize, dtype: KvDtype) -> Result<TpCache<B>, RuntimeError> {
+        TpEngine::new_cache(self, capacity, dtype)
+    }
+
+    fn forward_batch(&self, cache: &mut TpCache<B>, batch: &Batch) -> Result<Logits, RuntimeError> {
+        self.forward(cache, batch, None)
+    }
+
+    fn commit(&self, cache: &mut TpCache<B>) {
+        cache.commit();
+    }
+
+    fn compact(&self, cache: &mut TpCache<B>, keep: &[usize]) -> Result<(), RuntimeError> {
+        cache.compact(self.backends, keep)
+    }
+
+    fn remove_seq(&self, cache: &mut TpCache<B>, seq: SeqId) {
+        cache.remove_seq(seq);
+    }
+
+    fn describe(&self) -> String {
+        let threads: usize = self.backends.iter().map(Backend::threads).sum();
+        format!(
+            "tp{} {} ({} threads in all)",
+            self.tp.degree(),
+            self.comm_kind(),
+            threads
+        )
     }
 }
 
