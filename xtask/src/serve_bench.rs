@@ -37,6 +37,10 @@ pub struct Args {
     /// Engine threads of the server (default: all cores)
     #[arg(long)]
     pub threads: Option<usize>,
+    /// One more argument for `plumbline serve`, repeatable and passed through unchanged
+    /// (`--server-arg=--spec --server-arg=tree`, `--server-arg=--tp --server-arg=2`)
+    #[arg(long = "server-arg", allow_hyphen_values = true)]
+    pub server_args: Vec<String>,
     /// Print JSON instead of a table
     #[arg(long)]
     pub json: bool,
@@ -105,6 +109,7 @@ pub fn run(args: Args) -> Result<()> {
     if let Some(t) = args.threads {
         extra.extend(["--threads".into(), t.to_string()]);
     }
+    extra.extend(args.server_args.iter().cloned());
     let (server, base) = start(&bin, &model, &extra)?;
     wait_ready(&base, Duration::from_secs(300))?;
     tracing::info!(%base, model = %model.display(), "server ready; driving load");
@@ -139,16 +144,18 @@ pub fn run(args: Args) -> Result<()> {
                 "requests_per_level": args.requests,
                 "max_tokens": args.max_tokens,
                 "max_batch": max_c,
+                "server_args": args.server_args,
                 "rows": rows,
             }))?
         );
     } else {
         println!(
-            "model {} · {} requests per level · {} tokens each (greedy, ignore_eos) · server --max-batch {}",
+            "model {} · {} requests per level · {} tokens each (greedy, ignore_eos) · server --max-batch {}{}",
             model.display(),
             args.requests,
             args.max_tokens,
-            max_c
+            max_c,
+            args.server_args.iter().fold(String::new(), |acc, a| acc + " " + a)
         );
         println!("| concurrency | complete | lost | duplicated | differ from c=1 | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | tok/s | req/s |");
         println!("|---|---|---|---|---|---|---|---|---|---|---|");
