@@ -36,6 +36,10 @@ pub struct Args {
     /// Repetitions of each run (the fastest counts)
     #[arg(long, default_value_t = 1)]
     pub reps: usize,
+    /// Compute the head for the drafter's best chain in one pass (instead of only the rows the
+    /// walk visits, one pass each)
+    #[arg(long)]
+    pub chain_head: bool,
     #[command(flatten)]
     pub run: RunArgs,
     #[arg(long)]
@@ -182,6 +186,9 @@ pub fn run(args: Args) -> Result<()> {
                         c
                     }
                 };
+                if args.chain_head {
+                    cfg.head_rows = spec::HeadRows::Chain;
+                }
                 if let Draft::SelfLayers(_) | Draft::Model(_) = draft {
                     // A model drafter runs one forward per depth: a shallow tree.
                     cfg.shape.max_depth = 4;
