@@ -795,13 +795,18 @@ fn draft(s: &mut SeqSpec<'_>, cfg: &EngineConfig) -> Result<Tree, SpecError> {
     let root = s.history.last().copied().ok_or(SpecError::EmptyContext)?;
     let budget = s.policy.as_ref().map_or(shape.budget, Policy::choose);
     let costly = s.proposer.is_costly();
+    let t = std::time::Instant::now();
     let full = if budget > 0 || (s.policy.is_some() && !costly) {
         s.proposer.propose(&s.history, shape)?
     } else {
         Tree::root(root)
     };
+    let draft_secs = t.elapsed().as_secs_f64();
     let tree = full.prefix(budget);
     if let Some(p) = s.policy.as_mut() {
+        if budget > 0 && costly {
+            p.drafted(draft_secs);
+        }
         p.record(s.out.len(), full);
     }
     Ok(tree)

@@ -388,7 +388,7 @@ pub fn generate<'m, B: Backend + 'm>(
         let tree = full.prefix(budget);
         if let Some(p) = policy.as_mut() {
             if budget > 0 && proposer.is_costly() {
-                p.draft_secs += 0.2 * (draft_secs - p.draft_secs);
+                p.drafted(draft_secs);
             }
             p.record(out.len(), full);
         }

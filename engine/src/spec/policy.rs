@@ -74,9 +74,10 @@ pub struct Policy {
     /// A budget must beat plain decoding by this factor to be chosen (hysteresis against noise
     /// in the measured costs).
     pub margin: f64,
-    /// Trees observed before the first choice from observations; until then the largest
-    /// budget, or plain decoding when `shadow` (a cheap drafter's trees are observed on plain
-    /// rounds too, so nothing is spent on speculation that may not pay).
+    /// Trees observed before the first choice from observations; until then the smallest
+    /// budget (plain decoding once a measured draft is too costly to ever pay), or plain
+    /// decoding when `shadow` (a cheap drafter's trees are observed on plain rounds too, so
+    /// nothing is spent on speculation that may not pay).
     pub warmup: usize,
     pub shadow: bool,
 }
@@ -118,13 +119,18 @@ impl Policy {
     }
 
     /// The budget for the next round.
+    ///
+    /// Before enough trees are observed: plain decoding for a cheap drafter (its trees are
+    /// observed on plain rounds), otherwise the smallest budget (the trees observed are the
+    /// drafter's full ones, so every budget's acceptance is still learnt) — and plain decoding
+    /// as soon as a measured draft costs so much that no budget could pay even if every draft
+    /// token were accepted.
     pub fn choose(&self) -> usize {
         if self.observed < self.warmup {
-            return if self.shadow {
-                0
-            } else {
-                *self.budgets.last().unwrap_or(&0)
-            };
+            if self.shadow || (self.draft_secs > 0.0 && !self.could_pay()) {
+                return 0;
+            }
+            return self.budgets.get(1).copied().unwrap_or(0);
         }
         let plain = self.rate(0);
         let (mut best, mut best_rate) = (0, plain * self.margin);
@@ -136,6 +142,28 @@ impl Policy {
             }
         }
         best
+    }
+
+    /// Whether some budget beats plain decoding when all its draft tokens are accepted.
+    fn could_pay(&self) -> bool {
+        let plain = self.rate(0) * self.margin;
+        self.budgets.iter().skip(1).any(|&b| {
+            let tokens = 1.0 + b as f64;
+            tokens / (self.cost.verify_secs(b + 1, tokens) + self.draft_secs) > plain
+        })
+    }
+
+    /// A draft took `secs` (a costly drafter's forwards): the first measurement as it is, then
+    /// a running mean.
+    pub fn drafted(&mut self, secs: f64) {
+        if !secs.is_finite() || secs <= 0.0 {
+            return;
+        }
+        if self.draft_secs == 0.0 {
+            self.draft_secs = secs;
+        } else {
+            self.draft_secs += 0.2 * (secs - self.draft_secs);
+        }
     }
 
     /// Remember `tree`, drafted when the output had `at` tokens (its first draft token would be
@@ -256,5 +284,27 @@ mod tests {
         assert_eq!(p.choose(), 8);
         // Budget 2 would have accepted exactly 2.
         assert_eq!(p.accepted()[2], (2, 2.0));
+    }
+
+    #[test]
+    fn a_costly_drafter_warms_up_small_and_falls_back_once_a_draft_costs_too_much() {
+        let cost = CostCurve {
+            secs: (1..=17).map(|n| 0.5 + 0.25 * n as f64).collect(),
+            head_row: 0.5,
+        };
+        let mut p = Policy::new(16, cost);
+        // Nothing observed or measured yet: the smallest budget, not the largest.
+        assert_eq!(p.choose(), 1);
+        // A draft as costly as ten plain steps: even 17 accepted tokens could not pay.
+        p.drafted(12.5);
+        assert_eq!(p.draft_secs, 12.5);
+        assert_eq!(p.choose(), 0);
+        // A cheap draft: speculation could pay, so the warm-up goes on.
+        let mut q = Policy::new(16, p.cost.clone());
+        q.drafted(0.01);
+        assert_eq!(q.choose(), 1);
+        // Later measurements are a running mean.
+        q.drafted(1.01);
+        assert!((q.draft_secs - 0.21).abs() < 1e-12);
     }
 }
