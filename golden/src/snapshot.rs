@@ -1,6 +1,6 @@
 //! Golden summaries: what the reference makes of one model file, condensed for a person to review.
 //!
-//! [`summarize`] loads a model with the reference (f32), runs it on a prompt, and records the
+//! [`summarize`] loads a model with the reference (f64), runs it on a prompt, and records the
 //! prompt, a summary of every tap (docs/TAPS.md), and an 8-step greedy continuation with the
 //! top-5 candidates at every step. `tests/golden_snapshots.rs` pins these as `insta` snapshots, so
 //! any change to the reference's numerics, to a fixture, or to the tokenizer shows up as a diff that
@@ -8,9 +8,16 @@
 //!
 //! Floats are rounded to [`SIG_DIGITS`] significant digits *here*, not with insta's
 //! `rounded_redaction`: that rounds to a fixed number of decimals, which is wrong for values that
-//! span 1e-4 (fixture taps) to 1e3 (Gemma's scaled embeddings). Four significant digits keep
-//! f32 summation-order noise (relative ~1e-6) out of the snapshots while any real change to a
-//! layer (relative ≥ 1e-3) still shows.
+//! span 1e-4 (fixture taps) to 1e3 (Gemma's scaled embeddings). Any real change to a layer
+//! (relative ≥ 1e-3) still shows.
+//!
+//! The reference computes in **f64** here, so that a snapshot is a function of the code and not of
+//! the machine: candle's CPU matmul picks its kernel (AVX2, AVX-512, …) at run time, and each sums
+//! in its own order. In f32 that order moves a value by ~1e-6 of itself, enough to carry a
+//! four-digit rounding across a boundary now and then (a tap mean of 0.00095125 printed as
+//! 0.0009513 on one machine and 0.0009512 on another, which failed CI on an AVX-512 machine for
+//! snapshots taken on an AVX2 one). In f64 the order moves a value by ~1e-15, and the chance that
+//! any of a snapshot's few thousand numbers sits that close to a boundary is ~1e-11.
 //!
 //! Greedy decoding runs without a KV cache: one full forward pass over the whole sequence per
 //! step, the simplest thing that can be trusted.
@@ -180,7 +187,7 @@ pub fn real_model_summary(path: &Path) -> Result<GoldenSummary, SnapshotError> {
     )
 }
 
-/// Load `path` with the reference (f32) and summarize it on `prompt` with `steps` greedy steps.
+/// Load `path` with the reference (f64, see the module docs) and summarize it on `prompt` with `steps` greedy steps.
 pub fn summarize(
     path: &Path,
     prompt: &Prompt,
@@ -218,7 +225,7 @@ pub fn summarize(
         path: path.to_path_buf(),
         source,
     };
-    let model = ReferenceModel::load(path, Precision::F32).map_err(reference_err)?;
+    let model = ReferenceModel::load(path, Precision::F64).map_err(reference_err)?;
     let vocab_size = model.vocab_size();
 
     let mut taps = Vec::new();
@@ -334,9 +341,9 @@ pub fn snapshot_path(stem: &str) -> PathBuf {
 
 /// Relative drift allowed per number when a fresh summary is compared with its pinned snapshot
 /// outside insta (verify's `golden` gate, which runs on any machine): the snapshot keeps
-/// [`SIG_DIGITS`] = 4 digits, so rounding alone moves a value by up to 5e-4 of itself, and a value
-/// next to a rounding boundary may round the other way on a machine whose candle kernels sum in
-/// another order. 2e-3 is four such units; a real change to a layer moves its summary by ≥ 1e-2
+/// [`SIG_DIGITS`] = 4 digits, so rounding alone moves a value by up to 5e-4 of itself, and a
+/// snapshot may come from an older revision whose reference summed in another order (f32 did, see
+/// the module docs). 2e-3 is four such units; a real change to a layer moves its summary by ≥ 1e-2
 /// (module docs). Tap means are judged against the tap's RMS (a mean near 0 has no relative
 /// precision).
 pub const DRIFT_TOLERANCE: f64 = 2e-3;

@@ -17,7 +17,7 @@ fn assert_snapshot(summary: &GoldenSummary) {
     let mut settings = insta::Settings::clone_current();
     settings.set_prepend_module_to_snapshot(false);
     settings.set_description(format!(
-        "reference (f32) summary of {}: taps on the prompt, {} greedy steps with top-{}",
+        "reference (f64) summary of {}: taps on the prompt, {} greedy steps with top-{}",
         summary.model,
         snapshot::GREEDY_STEPS,
         snapshot::TOP_K

@@ -131,9 +131,15 @@ fn dot_f16(w: &[u8], y: &[f16]) -> f32 {
 /// Shared loop of the Q8_0-activation kernels, two blocks per 512-bit register, for `N`
 /// activation rows at once: `unpack2` turns two consecutive `TS`-byte weight blocks into 64
 /// signed bytes and their f32 scales (`unpack` one block, for an odd last one), once for all `N`
-/// rows. An odd last block runs at 256 bits. Each row's
-/// f32 operations are the same, in the same order, for every `N`, so the multi-row kernels give
-/// bit-identical results to the one-row kernel.
+/// rows. An odd last block runs at 256 bits.
+///
+/// The activation scales are read sixteen blocks at a time per row (one gather and one f16
+/// conversion), and each pair's two scales are then spread over its lanes with one permutation,
+/// instead of two scalar conversions and two broadcasts per pair and row: in a product over
+/// several tokens those per-row scale operations, not the integer dot products, were most of
+/// the time. The products `dx · dy` and the fused multiply-adds are the same f32 operations,
+/// in the same order, as one scalar product per block, for every `N`, so the multi-row kernels
+/// give bit-identical results to the one-row kernel.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 #[inline]
 fn dot_blocks_q8_0<const TS: usize, const N: usize>(
@@ -146,24 +152,31 @@ fn dot_blocks_q8_0<const TS: usize, const N: usize>(
     let ys = ys.map(|y| &y[..nb]);
     let mut acc = [_mm512_setzero_ps(); N];
     let pairs = nb / 2;
-    for i in 0..pairs {
-        let (qx, d0, d1) = unpack2(&w[2 * TS * i..2 * TS * (i + 1)]);
-        let ax = _mm512_abs_epi8(qx);
-        let neg = _mm512_movepi8_mask(qx);
-        for (a, y) in acc.iter_mut().zip(ys) {
-            let (y0, y1) = (&y[2 * i], &y[2 * i + 1]);
-            let qy = cat(ld_i8(&y0.qs), ld_i8(&y1.qs));
-            let sy = _mm512_mask_sub_epi8(qy, neg, _mm512_setzero_si512(), qy);
-            let p16 = _mm512_maddubs_epi16(ax, sy);
-            let sumi = _mm512_madd_epi16(p16, _mm512_set1_epi16(1));
-            // Lanes 0..8 hold the first block's sums, lanes 8..16 the second's.
-            let d = _mm512_mask_blend_ps(
-                0xFF00,
-                _mm512_set1_ps(d0 * f16_to_f32(y0.d)),
-                _mm512_set1_ps(d1 * f16_to_f32(y1.d)),
-            );
-            *a = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(sumi), *a);
+    // Lane l of a pair's scale vector takes block 2p + l / 8 of the group's sixteen scales.
+    let half = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    let mut p0 = 0;
+    while p0 < pairs {
+        let g = (pairs - p0).min(8);
+        let dy = ys.map(|y| act_scales16(&y[2 * p0..2 * (p0 + g)]));
+        for k in 0..g {
+            let i = p0 + k;
+            let (qx, d0, d1) = unpack2(&w[2 * TS * i..2 * TS * (i + 1)]);
+            let ax = _mm512_abs_epi8(qx);
+            let neg = _mm512_movepi8_mask(qx);
+            let dx = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(d0), _mm512_set1_ps(d1));
+            let idx = _mm512_add_epi32(half, _mm512_set1_epi32(2 * k as i32));
+            for ((a, y), dy) in acc.iter_mut().zip(ys).zip(&dy) {
+                let (y0, y1) = (&y[2 * i], &y[2 * i + 1]);
+                let qy = cat(ld_i8(&y0.qs), ld_i8(&y1.qs));
+                let sy = _mm512_mask_sub_epi8(qy, neg, _mm512_setzero_si512(), qy);
+                let p16 = _mm512_maddubs_epi16(ax, sy);
+                let sumi = _mm512_madd_epi16(p16, _mm512_set1_epi16(1));
+                // Lanes 0..8 hold the first block's sums, lanes 8..16 the second's.
+                let d = _mm512_mul_ps(dx, _mm512_permutexvar_ps(idx, *dy));
+                *a = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(sumi), *a);
+            }
         }
+        p0 += g;
     }
     let mut tail = [_mm256_setzero_ps(); N];
     if nb % 2 == 1 {
@@ -182,6 +195,31 @@ fn dot_blocks_q8_0<const TS: usize, const N: usize>(
         out[n] = _mm512_reduce_add_ps(acc[n]) + hsum_ps(tail[n]);
     }
     out
+}
+
+/// The f16 scales of up to sixteen activation blocks as f32 lanes (lanes past `y.len()` are 0).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+#[inline]
+fn act_scales16(y: &[BlockQ8_0]) -> __m512 {
+    let y = &y[..y.len().min(16)];
+    let bytes: &[u8] = bytemuck::cast_slice(y);
+    let lanes = (1u32 << y.len()) - 1;
+    let offsets = _mm512_mullo_epi32(
+        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+        _mm512_set1_epi32(std::mem::size_of::<BlockQ8_0>() as i32),
+    );
+    // SAFETY: lane j < y.len() reads the four bytes at 34 j, which lie inside `bytes` (each block
+    // is 34 bytes); masked-off lanes read nothing.
+    let raw = unsafe {
+        _mm512_mask_i32gather_epi32::<1>(
+            _mm512_setzero_si512(),
+            lanes as __mmask16,
+            offsets,
+            bytes.as_ptr().cast(),
+        )
+    };
+    // Each lane's low 16 bits are the block's `d`; lanes past the end gathered 0 (f16 +0).
+    _mm512_cvtph_ps(_mm512_cvtepi32_epi16(raw))
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
