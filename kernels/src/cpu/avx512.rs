@@ -17,7 +17,7 @@ use super::avx2::{
     nibbles_32, q6k_bias, q6k_unpack,
 };
 use super::scalar::scales_mins_k4;
-use super::{RowDot, RowDot4};
+use super::{RowDot, RowDot4, RowTile};
 use crate::quant::{BlockQ8K, BlockQ8_0, GgmlType};
 
 /// The AVX-512 kernel for weights of type `ty`, if there is one.
@@ -181,13 +181,8 @@ fn dot_blocks_q8_0<const TS: usize, const N: usize>(
     let mut tail = [_mm256_setzero_ps(); N];
     if nb % 2 == 1 {
         let (q, dx) = unpack(&w[(nb - 1) * TS..]);
-        let ax = _mm256_sign_epi8(q, q);
         for (t, y) in tail.iter_mut().zip(ys) {
-            let yb = &y[nb - 1];
-            let sy = _mm256_sign_epi8(ld_i8(&yb.qs), q);
-            let sumi = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, sy), _mm256_set1_epi16(1));
-            let d = _mm256_set1_ps(dx * f16_to_f32(yb.d));
-            *t = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sumi));
+            *t = tail_block(q, dx, &y[nb - 1]);
         }
     }
     let mut out = [0f32; N];
@@ -197,23 +192,44 @@ fn dot_blocks_q8_0<const TS: usize, const N: usize>(
     out
 }
 
+/// One odd last block of a Q8_0-activation product at 256 bits: `q` the weight block's signed
+/// values, `dx` its scale. Shared by every kernel of that family, so that they agree bit for bit.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+#[inline]
+fn tail_block(q: __m256i, dx: f32, yb: &BlockQ8_0) -> __m256 {
+    let ax = _mm256_sign_epi8(q, q);
+    let sy = _mm256_sign_epi8(ld_i8(&yb.qs), q);
+    let sumi = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, sy), _mm256_set1_epi16(1));
+    let d = _mm256_set1_ps(dx * f16_to_f32(yb.d));
+    _mm256_mul_ps(d, _mm256_cvtepi32_ps(sumi))
+}
+
 /// The f16 scales of up to sixteen activation blocks as f32 lanes (lanes past `y.len()` are 0).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 #[inline]
 fn act_scales16(y: &[BlockQ8_0]) -> __m512 {
-    let y = &y[..y.len().min(16)];
-    let bytes: &[u8] = bytemuck::cast_slice(y);
-    let lanes = (1u32 << y.len()) - 1;
+    let n = y.len().min(16);
+    scales16::<{ std::mem::size_of::<BlockQ8_0>() }>(bytemuck::cast_slice(&y[..n]), n)
+}
+
+/// The f16 scales at the front of `n ≤ 16` consecutive `STRIDE`-byte blocks of `bytes`, as f32
+/// lanes (lanes from `n` on are 0): one masked gather and one conversion.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+#[inline]
+fn scales16<const STRIDE: usize>(bytes: &[u8], n: usize) -> __m512 {
+    let n = n.min(16).min(bytes.len() / STRIDE);
+    let bytes = &bytes[..n * STRIDE];
+    let lanes = ((1u32 << n) - 1) as __mmask16;
     let offsets = _mm512_mullo_epi32(
         _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-        _mm512_set1_epi32(std::mem::size_of::<BlockQ8_0>() as i32),
+        _mm512_set1_epi32(STRIDE as i32),
     );
-    // SAFETY: lane j < y.len() reads the four bytes at 34 j, which lie inside `bytes` (each block
-    // is 34 bytes); masked-off lanes read nothing.
+    // SAFETY: lane j < n reads the four bytes at STRIDE·j, which lie inside `bytes` (every block
+    // is STRIDE ≥ 4 bytes long and `bytes` holds n of them); masked-off lanes read nothing.
     let raw = unsafe {
         _mm512_mask_i32gather_epi32::<1>(
             _mm512_setzero_si512(),
-            lanes as __mmask16,
+            lanes,
             offsets,
             bytes.as_ptr().cast(),
         )
@@ -238,7 +254,7 @@ fn q4_0_unpack(b: &[u8]) -> (__m256i, f32) {
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 #[inline]
 fn q5_0_unpack(b: &[u8]) -> (__m256i, f32) {
-    let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+    let qh = le_u32(&b[2..]);
     let hi = _mm256_andnot_si256(bytes_from_bits_32(qh), _mm256_set1_epi8(0xF0u8 as i8));
     (_mm256_or_si256(nibbles_32(&b[6..]), hi), fp16(b))
 }
@@ -261,20 +277,41 @@ fn pair<const TS: usize>(
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 #[inline]
 fn q5_0_unpack2(b: &[u8]) -> (__m512i, f32, f32) {
-    let qh0 = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
-    let qh1 = u32::from_le_bytes([b[24], b[25], b[26], b[27]]);
-    let high = u64::from(qh0) | u64::from(qh1) << 32;
-    let m4 = _mm256_set1_epi8(0x0F);
-    let t = _mm256_set_m128i(ld128(&b[28..]), ld128(&b[6..]));
-    let lo = _mm256_and_si256(t, m4);
-    let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(t), m4);
-    // cat(lo, hi) holds [block 0 low, block 1 low, block 0 high, block 1 high] in its 128-bit
-    // lanes; lanes 0, 2, 1, 3 put each block's 32 elements in order.
-    let x = cat(lo, hi);
-    let x = _mm512_shuffle_i64x2::<0b11_01_10_00>(x, x);
+    let high = q5_0_high2(b);
+    let x = nibbles2(&b[6..], &b[28..]);
     // (nibble | h << 4) − 16 as a signed byte is the nibble with 0xF0 set where h is 0.
     let h = _mm512_maskz_mov_epi8(!high, _mm512_set1_epi8(0xF0u8 as i8));
     (_mm512_or_si512(x, h), fp16(b), fp16(&b[22..]))
+}
+
+/// The 64 high bits of two consecutive Q5_0 blocks (`b` holds both), block 0's in bits 0..32.
+#[inline]
+fn q5_0_high2(b: &[u8]) -> u64 {
+    u64::from(le_u32(&b[2..])) | u64::from(le_u32(&b[24..])) << 32
+}
+
+/// The little-endian u32 at the front of `b` (one load; a byte-by-byte `from_le_bytes` of four
+/// indexed bytes compiles to four).
+#[inline]
+fn le_u32(b: &[u8]) -> u32 {
+    let mut four = [0u8; 4];
+    four.copy_from_slice(&b[..4]);
+    u32::from_le_bytes(four)
+}
+
+/// The 64 nibbles of two 16-byte nibble arrays `a` and `b` (each low nibbles first, then high,
+/// as in Q4_0 / Q5_0 blocks), as 64 bytes in element order: `a`'s 32 elements, then `b`'s.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+#[inline]
+fn nibbles2(a: &[u8], b: &[u8]) -> __m512i {
+    let m4 = _mm256_set1_epi8(0x0F);
+    let t = _mm256_set_m128i(ld128(b), ld128(a));
+    let lo = _mm256_and_si256(t, m4);
+    let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(t), m4);
+    // cat(lo, hi) holds [a low, b low, a high, b high] in its 128-bit lanes; lanes 0, 2, 1, 3
+    // put each block's 32 elements in order.
+    let x = cat(lo, hi);
+    _mm512_shuffle_i64x2::<0b11_01_10_00>(x, x)
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
@@ -325,6 +362,119 @@ fn dot4_q4_0(w: &[u8], y: &[&[BlockQ8_0]; 4]) -> [f32; 4] {
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 fn dot4_q5_0(w: &[u8], y: &[&[BlockQ8_0]; 4]) -> [f32; 4] {
     dot_blocks_q8_0::<22, 4>(w, *y, |b| q5_0_unpack(b), |b| q5_0_unpack2(b))
+}
+
+/// The AVX-512 VNNI tile kernel (four weight rows × four activation rows, see
+/// [`super::RowTile`]) for weights of type `ty`, if there is one. Only for a CPU with
+/// AVX-512 VNNI (checked by the caller).
+pub(super) fn select_tile(ty: GgmlType) -> Option<RowTile> {
+    use GgmlType as T;
+    Some(match ty {
+        T::Q4_0 => RowTile::Q8_0(tile_q4_0),
+        T::Q5_0 => RowTile::Q8_0(tile_q5_0),
+        T::Q8_0 => RowTile::Q8_0(tile_q8_0),
+        _ => return None,
+    })
+}
+
+/// Four weight rows against four activation rows of a Q8_0-activation product, two blocks per
+/// register, with AVX-512 VNNI: `unpack2u` turns two consecutive `TS`-byte weight blocks into
+/// their 64 values plus `OFFSET` (all of them then lie in 0..=255, so they are unsigned bytes),
+/// `unpack` one block into signed values (for an odd last block).
+///
+/// Why it is faster than four [`dot_blocks_q8_0`] calls: the activation bytes, their scales and
+/// the offset's correction are loaded and computed once per token for four weight rows, the
+/// weights and their scales once per row for four tokens, and what is left per (row, token) is
+/// one `vpdpbusd` (unsigned weights × signed activations, summed in i32, never saturating), one
+/// scale product and one multiply-add. `vpdpbusd` starts from −`OFFSET`·Σy over the same four
+/// bytes, so each i32 lane holds exactly the lane sum of the sign-trick kernel, and the f32
+/// operations (`dx · dy`, the conversion, the multiply-add, the final reduction) are the same
+/// as there, in the same order: every output is bit-identical to the one-row kernel.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[inline]
+fn tile_blocks_q8_0<const TS: usize, const OFFSET: i8>(
+    ws: &[&[u8]; 4],
+    ys: &[&[BlockQ8_0]; 4],
+    unpack: impl Fn(&[u8]) -> (__m256i, f32),
+    unpack2u: impl Fn(&[u8]) -> __m512i,
+) -> [[f32; 4]; 4] {
+    let nb = ws[0].len() / TS;
+    let ws = ws.map(|w| &w[..nb * TS]);
+    let ys = ys.map(|y| &y[..nb]);
+    let mut acc = [[_mm512_setzero_ps(); 4]; 4];
+    let pairs = nb / 2;
+    let half = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    let offset = _mm512_set1_epi8(OFFSET);
+    let zero = _mm512_setzero_si512();
+    let mut p0 = 0;
+    while p0 < pairs {
+        let g = (pairs - p0).min(8);
+        let dy = ys.map(|y| act_scales16(&y[2 * p0..2 * (p0 + g)]));
+        let dw = ws.map(|w| scales16::<TS>(&w[2 * TS * p0..], 2 * g));
+        for k in 0..g {
+            let i = p0 + k;
+            let idx = _mm512_add_epi32(half, _mm512_set1_epi32(2 * k as i32));
+            let xu = ws.map(|w| unpack2u(&w[2 * TS * i..2 * TS * (i + 1)]));
+            let dx = dw.map(|d| _mm512_permutexvar_ps(idx, d));
+            for (t, y) in ys.iter().enumerate() {
+                let qy = cat(ld_i8(&y[2 * i].qs), ld_i8(&y[2 * i + 1].qs));
+                // −OFFSET · (sum of each lane's four activation bytes).
+                let start = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, offset, qy));
+                let dyp = _mm512_permutexvar_ps(idx, dy[t]);
+                for r in 0..4 {
+                    let sumi = _mm512_dpbusd_epi32(start, xu[r], qy);
+                    let d = _mm512_mul_ps(dx[r], dyp);
+                    acc[r][t] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(sumi), acc[r][t]);
+                }
+            }
+        }
+        p0 += g;
+    }
+    let mut out = [[0f32; 4]; 4];
+    for r in 0..4 {
+        let mut tail = [_mm256_setzero_ps(); 4];
+        if nb % 2 == 1 {
+            let (q, dx) = unpack(&ws[r][(nb - 1) * TS..]);
+            for (t, y) in tail.iter_mut().zip(ys) {
+                *t = tail_block(q, dx, &y[nb - 1]);
+            }
+        }
+        for t in 0..4 {
+            out[r][t] = _mm512_reduce_add_ps(acc[r][t]) + hsum_ps(tail[t]);
+        }
+    }
+    out
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn tile_q8_0(ws: &[&[u8]; 4], ys: &[&[BlockQ8_0]; 4]) -> [[f32; 4]; 4] {
+    // Signed bytes plus 128 are the bytes with the top bit flipped.
+    tile_blocks_q8_0::<34, { i8::MIN }>(
+        ws,
+        ys,
+        |b| q8_0_unpack(b),
+        |b| _mm512_xor_si512(cat(ld_u8(&b[2..]), ld_u8(&b[36..])), _mm512_set1_epi8(i8::MIN)),
+    )
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn tile_q4_0(ws: &[&[u8]; 4], ys: &[&[BlockQ8_0]; 4]) -> [[f32; 4]; 4] {
+    // A Q4_0 value plus 8 is its nibble.
+    tile_blocks_q8_0::<18, 8>(ws, ys, |b| q4_0_unpack(b), |b| nibbles2(&b[2..], &b[20..]))
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn tile_q5_0(ws: &[&[u8]; 4], ys: &[&[BlockQ8_0]; 4]) -> [[f32; 4]; 4] {
+    // A Q5_0 value plus 16 is its five bits: the nibble, and 0x10 where the high bit is set.
+    tile_blocks_q8_0::<22, 16>(
+        ws,
+        ys,
+        |b| q5_0_unpack(b),
+        |b| {
+            let h = _mm512_maskz_mov_epi8(q5_0_high2(b), _mm512_set1_epi8(0x10));
+            _mm512_or_si512(nibbles2(&b[6..], &b[28..]), h)
+        },
+    )
 }
 
 /// Sub-block scales for 64 elements as 32 i16 lanes: `a` for lanes 0..16, `b` for 16..32.

@@ -87,6 +87,20 @@ enum RowDot4 {
     Q8K(Dot4<BlockQ8K>),
 }
 
+/// Four weight rows against four activation rows at once (`out[r][t]`): each weight block is
+/// unpacked once for the four tokens, each activation block loaded once for the four rows. Every
+/// output is bit-identical to the [`Dot`] of the same type on that (row, token).
+///
+/// # Safety
+/// As [`Dot`], for each of the four weight rows (of equal length) and four activation rows.
+type Tile<A> = unsafe fn(&[&[u8]; 4], &[&[A]; 4]) -> [[f32; 4]; 4];
+
+/// A tile kernel, by the activation type it reads.
+#[derive(Clone, Copy)]
+enum RowTile {
+    Q8_0(Tile<BlockQ8_0>),
+}
+
 /// Largest GGUF type id plus one: the size of the dispatch table.
 const TYPE_SLOTS: usize = 40;
 
@@ -96,6 +110,7 @@ pub struct CpuKernels {
     isa: Isa,
     table: [Option<RowDot>; TYPE_SLOTS],
     table4: [Option<RowDot4>; TYPE_SLOTS],
+    tile: [Option<RowTile>; TYPE_SLOTS],
     vector: vector::VectorFns,
 }
 
@@ -147,7 +162,11 @@ impl CpuKernels {
     fn build(isa: Isa) -> Self {
         let mut table = [None; TYPE_SLOTS];
         let mut table4 = [None; TYPE_SLOTS];
+        let mut tile = [None; TYPE_SLOTS];
         for ty in GgmlType::ALL {
+            if let Some(slot) = tile.get_mut(ty.id() as usize) {
+                *slot = select_tile(isa, ty);
+            }
             if let Some(slot) = table.get_mut(ty.id() as usize) {
                 *slot = select(isa, ty);
             }
@@ -159,6 +178,7 @@ impl CpuKernels {
             isa,
             table,
             table4,
+            tile,
             vector: vector::VectorFns::select(isa),
         }
     }
@@ -380,35 +400,37 @@ impl CpuKernels {
         let geo = Geometry::new(n_rows, n_tokens, k_dim);
         let per_tok = k_dim / act_block(ty);
         let dot4 = self.table4.get(ty.id() as usize).copied().flatten();
+        let tile = self.tile.get(ty.id() as usize).copied().flatten();
         // SAFETY (for every arm): `new` checked the CPU has this backend's ISA, and
         // `check_weights` checked that each `row_bytes` row holds `per_tok` blocks, the length of
         // every activation row handed to the kernel.
         match (dot, acts.slice()) {
             (RowDot::F32(f), Some(ActSlice::F32(a))) => {
-                run(f, None, w, row_bytes, a, per_tok, geo, out, tiles)
+                run(f, None, None, w, row_bytes, a, per_tok, geo, out, tiles)
             }
             (RowDot::F16(f), Some(ActSlice::F16(a))) => {
-                run(f, None, w, row_bytes, a, per_tok, geo, out, tiles)
+                run(f, None, None, w, row_bytes, a, per_tok, geo, out, tiles)
             }
             (RowDot::Bf16(f), Some(ActSlice::Bf16(a))) => {
-                run(f, None, w, row_bytes, a, per_tok, geo, out, tiles)
+                run(f, None, None, w, row_bytes, a, per_tok, geo, out, tiles)
             }
             (RowDot::Q8_0(f), Some(ActSlice::Q8_0(a))) => {
                 let f4 = match dot4 {
                     Some(RowDot4::Q8_0(f4)) => Some(f4),
                     _ => None,
                 };
-                run(f, f4, w, row_bytes, a, per_tok, geo, out, tiles)
+                let ft = tile.map(|RowTile::Q8_0(ft)| ft);
+                run(f, f4, ft, w, row_bytes, a, per_tok, geo, out, tiles)
             }
             (RowDot::Q8_1(f), Some(ActSlice::Q8_1(a))) => {
-                run(f, None, w, row_bytes, a, per_tok, geo, out, tiles)
+                run(f, None, None, w, row_bytes, a, per_tok, geo, out, tiles)
             }
             (RowDot::Q8K(f), Some(ActSlice::Q8K(a))) => {
                 let f4 = match dot4 {
                     Some(RowDot4::Q8K(f4)) => Some(f4),
                     _ => None,
                 };
-                run(f, f4, w, row_bytes, a, per_tok, geo, out, tiles)
+                run(f, f4, None, w, row_bytes, a, per_tok, geo, out, tiles)
             }
             _ => return Err(self.act_mismatch(ty, acts)),
         }
@@ -523,6 +545,23 @@ fn select4(isa: Isa, ty: GgmlType) -> Option<RowDot4> {
     }
 }
 
+/// The tile kernel for weights of type `ty` on `isa`, if there is one: AVX-512 with VNNI
+/// (`vpdpbusd`) only; elsewhere the four-row or one-row kernels run, with the same results.
+fn select_tile(isa: Isa, ty: GgmlType) -> Option<RowTile> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        match isa {
+            Isa::Avx512 if is_x86_feature_detected!("avx512vnni") => avx512::select_tile(ty),
+            _ => None,
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (isa, ty);
+        None
+    }
+}
+
 /// How a product is cut into tasks: `tok_tile` tokens × `row_tile` rows each.
 #[derive(Clone, Copy, Debug)]
 struct Geometry {
@@ -567,9 +606,11 @@ impl Geometry {
 /// # Safety contract (upheld by the callers in this module)
 /// `dot` may be called: the CPU has its ISA, and `w` holds `n_rows` rows of `row_bytes`, each of
 /// exactly `per_tok` blocks; `acts` holds `n_tokens` rows of `per_tok` blocks.
+#[allow(clippy::too_many_arguments)]
 fn run<A: Sync>(
     dot: Dot<A>,
     dot4: Option<Dot4<A>>,
+    tile: Option<Tile<A>>,
     w: &[u8],
     row_bytes: usize,
     acts: &[A],
@@ -606,7 +647,35 @@ fn run<A: Sync>(
             let (r0, t0) = (ri * g.row_tile, ti * g.tok_tile);
             let r1 = (r0 + g.row_tile).min(g.n_rows);
             let t1 = (t0 + g.tok_tile).min(g.n_tokens);
-            for r in r0..r1 {
+            let mut r = r0;
+            if let Some(tile) = tile {
+                // Four rows at a time through the tile kernel, four tokens at a time; the last
+                // tokens of the tile one at a time.
+                while r + 4 <= r1 {
+                    let w4 = [row(r), row(r + 1), row(r + 2), row(r + 3)];
+                    let mut t = t0;
+                    while t + 4 <= t1 {
+                        let a4 = [act(t), act(t + 1), act(t + 2), act(t + 3)];
+                        // SAFETY: see the contract above; whole weight and activation rows,
+                        // and `select_tile` checked the CPU has VNNI.
+                        let v = unsafe { tile(&w4, &a4) };
+                        for (i, vr) in v.into_iter().enumerate() {
+                            for (k, v) in vr.into_iter().enumerate() {
+                                buf[(t + k - t0) * g.row_tile + (r + i - r0)] = v;
+                            }
+                        }
+                        t += 4;
+                    }
+                    for (i, wr) in w4.into_iter().enumerate() {
+                        for t in t..t1 {
+                            // SAFETY: see the contract above; whole rows.
+                            buf[(t - t0) * g.row_tile + (r + i - r0)] = unsafe { dot(wr, act(t)) };
+                        }
+                    }
+                    r += 4;
+                }
+            }
+            for r in r..r1 {
                 let wr = row(r);
                 let mut t = t0;
                 if let Some(dot4) = dot4 {

@@ -54,6 +54,15 @@ pub fn llama_bench() -> Result<PathBuf> {
         return Ok(bin);
     }
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    // Before the download: pip reads the sdist's metadata through scikit-build-core, which
+    // refuses to run without a CMake >= 3.21 on the PATH.
+    if !has_cmake() {
+        run_checked(
+            Command::new("python3").args(["-m", "pip", "install", "cmake"]),
+            "pip install cmake",
+            &dir.join("pip-cmake.log"),
+        )?;
+    }
     let src_root = dir.join(format!("llama_cpp_python-{VERSION}"));
     let src = src_root.join("vendor/llama.cpp");
     if !src.join("CMakeLists.txt").is_file() {
@@ -93,13 +102,6 @@ pub fn llama_bench() -> Result<PathBuf> {
                 src.display()
             );
         }
-    }
-    if !has_cmake() {
-        run_checked(
-            Command::new("python3").args(["-m", "pip", "install", "cmake"]),
-            "pip install cmake",
-            &dir.join("pip-cmake.log"),
-        )?;
     }
     let build = dir.join("build");
     eprintln!(
