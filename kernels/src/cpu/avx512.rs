@@ -157,7 +157,12 @@ fn dot_blocks_q8_0<const TS: usize, const N: usize>(
     let mut p0 = 0;
     while p0 < pairs {
         let g = (pairs - p0).min(8);
-        let dy = ys.map(|y| act_scales16(&y[2 * p0..2 * (p0 + g)]));
+        // Loops, not `array::map`: a closure handed to `map` is not inlined into a
+        // `#[target_feature]` function, and the call spills every accumulator.
+        let mut dy = [_mm512_setzero_ps(); N];
+        for (d, y) in dy.iter_mut().zip(ys) {
+            *d = act_scales16(&y[2 * p0..2 * (p0 + g)]);
+        }
         for k in 0..g {
             let i = p0 + k;
             let (qx, d0, d1) = unpack2(&w[2 * TS * i..2 * TS * (i + 1)]);
@@ -409,13 +414,22 @@ fn tile_blocks_q8_0<const TS: usize, const OFFSET: i8>(
     let mut p0 = 0;
     while p0 < pairs {
         let g = (pairs - p0).min(8);
-        let dy = ys.map(|y| act_scales16(&y[2 * p0..2 * (p0 + g)]));
-        let dw = ws.map(|w| scales16::<TS>(&w[2 * TS * p0..], 2 * g));
+        // Loops, not `array::map` (see `dot_blocks_q8_0`).
+        let mut dy = [_mm512_setzero_ps(); 4];
+        let mut dw = [_mm512_setzero_ps(); 4];
+        for j in 0..4 {
+            dy[j] = act_scales16(&ys[j][2 * p0..2 * (p0 + g)]);
+            dw[j] = scales16::<TS>(&ws[j][2 * TS * p0..], 2 * g);
+        }
         for k in 0..g {
             let i = p0 + k;
             let idx = _mm512_add_epi32(half, _mm512_set1_epi32(2 * k as i32));
-            let xu = ws.map(|w| unpack2u(&w[2 * TS * i..2 * TS * (i + 1)]));
-            let dx = dw.map(|d| _mm512_permutexvar_ps(idx, d));
+            let mut xu = [_mm512_setzero_si512(); 4];
+            let mut dx = [_mm512_setzero_ps(); 4];
+            for r in 0..4 {
+                xu[r] = unpack2u(&ws[r][2 * TS * i..2 * TS * (i + 1)]);
+                dx[r] = _mm512_permutexvar_ps(idx, dw[r]);
+            }
             for (t, y) in ys.iter().enumerate() {
                 let qy = cat(ld_i8(&y[2 * i].qs), ld_i8(&y[2 * i + 1].qs));
                 // −OFFSET · (sum of each lane's four activation bytes).
@@ -448,33 +462,46 @@ fn tile_blocks_q8_0<const TS: usize, const OFFSET: i8>(
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 fn tile_q8_0(ws: &[&[u8]; 4], ys: &[&[BlockQ8_0]; 4]) -> [[f32; 4]; 4] {
-    // Signed bytes plus 128 are the bytes with the top bit flipped.
     tile_blocks_q8_0::<34, { i8::MIN }>(
         ws,
         ys,
         |b| q8_0_unpack(b),
-        |b| _mm512_xor_si512(cat(ld_u8(&b[2..]), ld_u8(&b[36..])), _mm512_set1_epi8(i8::MIN)),
+        |b| q8_0_unpack2u(b),
     )
+}
+
+/// Two Q8_0 blocks' values plus 128: the bytes with the top bit flipped.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+#[inline]
+fn q8_0_unpack2u(b: &[u8]) -> __m512i {
+    _mm512_xor_si512(cat(ld_u8(&b[2..]), ld_u8(&b[36..])), _mm512_set1_epi8(i8::MIN))
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 fn tile_q4_0(ws: &[&[u8]; 4], ys: &[&[BlockQ8_0]; 4]) -> [[f32; 4]; 4] {
     // A Q4_0 value plus 8 is its nibble.
-    tile_blocks_q8_0::<18, 8>(ws, ys, |b| q4_0_unpack(b), |b| nibbles2(&b[2..], &b[20..]))
+    tile_blocks_q8_0::<18, 8>(ws, ys, |b| q4_0_unpack(b), |b| q4_0_unpack2u(b))
+}
+
+/// Two Q4_0 blocks' values plus 8: their nibbles.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+#[inline]
+fn q4_0_unpack2u(b: &[u8]) -> __m512i {
+    nibbles2(&b[2..], &b[20..])
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 fn tile_q5_0(ws: &[&[u8]; 4], ys: &[&[BlockQ8_0]; 4]) -> [[f32; 4]; 4] {
-    // A Q5_0 value plus 16 is its five bits: the nibble, and 0x10 where the high bit is set.
-    tile_blocks_q8_0::<22, 16>(
-        ws,
-        ys,
-        |b| q5_0_unpack(b),
-        |b| {
-            let h = _mm512_maskz_mov_epi8(q5_0_high2(b), _mm512_set1_epi8(0x10));
-            _mm512_or_si512(nibbles2(&b[6..], &b[28..]), h)
-        },
-    )
+    tile_blocks_q8_0::<22, 16>(ws, ys, |b| q5_0_unpack(b), |b| q5_0_unpack2u(b))
+}
+
+/// Two Q5_0 blocks' values plus 16: their five bits, the nibble and 0x10 where the high bit is
+/// set.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+#[inline]
+fn q5_0_unpack2u(b: &[u8]) -> __m512i {
+    let h = _mm512_maskz_mov_epi8(q5_0_high2(b), _mm512_set1_epi8(0x10));
+    _mm512_or_si512(nibbles2(&b[6..], &b[28..]), h)
 }
 
 /// Sub-block scales for 64 elements as 32 i16 lanes: `a` for lanes 0..16, `b` for 16..32.
