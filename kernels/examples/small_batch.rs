@@ -47,11 +47,13 @@ fn main() {
             let reps = (200_000_000 / w.len()).max(20);
             let secs = pool.install(|| {
                 for _ in 0..3 {
-                    k.matmul(ty, &w, n_rows, k_dim, &x, n, &mut out).expect("matmul");
+                    k.matmul(ty, &w, n_rows, k_dim, &x, n, &mut out)
+                        .expect("matmul");
                 }
                 let t = Instant::now();
                 for _ in 0..reps {
-                    k.matmul(ty, &w, n_rows, k_dim, &x, n, &mut out).expect("matmul");
+                    k.matmul(ty, &w, n_rows, k_dim, &x, n, &mut out)
+                        .expect("matmul");
                 }
                 t.elapsed().as_secs_f64() / reps as f64
             });

@@ -83,7 +83,10 @@ fn real_model_speculative_serving_equals_plain_generate() {
         let (status, v) = ask(p);
         assert_eq!(status, 200, "{v}");
         assert_eq!(v["choices"][0]["text"], text.as_str(), "alone: {p:?}");
-        assert_eq!(v["usage"]["completion_tokens"].as_u64(), Some(*count as u64));
+        assert_eq!(
+            v["usage"]["completion_tokens"].as_u64(),
+            Some(*count as u64)
+        );
     }
     let together: Vec<(u16, Value)> = std::thread::scope(|s| {
         let handles: Vec<_> = prompts.iter().map(|p| s.spawn(|| ask(p))).collect();

@@ -462,19 +462,17 @@ fn tile_blocks_q8_0<const TS: usize, const OFFSET: i8>(
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 fn tile_q8_0(ws: &[&[u8]; 4], ys: &[&[BlockQ8_0]; 4]) -> [[f32; 4]; 4] {
-    tile_blocks_q8_0::<34, { i8::MIN }>(
-        ws,
-        ys,
-        |b| q8_0_unpack(b),
-        |b| q8_0_unpack2u(b),
-    )
+    tile_blocks_q8_0::<34, { i8::MIN }>(ws, ys, |b| q8_0_unpack(b), |b| q8_0_unpack2u(b))
 }
 
 /// Two Q8_0 blocks' values plus 128: the bytes with the top bit flipped.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 #[inline]
 fn q8_0_unpack2u(b: &[u8]) -> __m512i {
-    _mm512_xor_si512(cat(ld_u8(&b[2..]), ld_u8(&b[36..])), _mm512_set1_epi8(i8::MIN))
+    _mm512_xor_si512(
+        cat(ld_u8(&b[2..]), ld_u8(&b[36..])),
+        _mm512_set1_epi8(i8::MIN),
+    )
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
