@@ -17,7 +17,7 @@ use super::avx2::{
     nibbles_32, q6k_bias, q6k_unpack,
 };
 use super::scalar::scales_mins_k4;
-use super::{RowDot, RowDot4, RowTile};
+use super::{RowDot, RowDot4, RowRows, RowTile};
 use crate::quant::{BlockQ8K, BlockQ8_0, GgmlType};
 
 /// The AVX-512 kernel for weights of type `ty`, if there is one.
@@ -500,6 +500,95 @@ fn tile_q5_0(ws: &[&[u8]; 4], ys: &[&[BlockQ8_0]; 4]) -> [[f32; 4]; 4] {
 fn q5_0_unpack2u(b: &[u8]) -> __m512i {
     let h = _mm512_maskz_mov_epi8(q5_0_high2(b), _mm512_set1_epi8(0x10));
     _mm512_or_si512(nibbles2(&b[6..], &b[28..]), h)
+}
+
+/// The AVX-512 VNNI decode kernel (four weight rows × one activation row, see
+/// [`super::RowRows`]) for weights of type `ty`, if there is one. Only for a CPU with
+/// AVX-512 VNNI (checked by the caller).
+pub(super) fn select_rows(ty: GgmlType) -> Option<RowRows> {
+    use GgmlType as T;
+    Some(match ty {
+        T::Q4_0 => RowRows::Q8_0(rows_q4_0),
+        T::Q5_0 => RowRows::Q8_0(rows_q5_0),
+        T::Q8_0 => RowRows::Q8_0(rows_q8_0),
+        _ => return None,
+    })
+}
+
+/// `R` weight rows against one activation row of a Q8_0-activation product (a decode step),
+/// with AVX-512 VNNI; `unpack2u` and `unpack` as in [`tile_blocks_q8_0`].
+///
+/// The activation bytes, their scales and the offset's correction are loaded once for the `R`
+/// rows; each row's sixteen block scales are multiplied by the activation scales once per group
+/// (lane `j` holds `dx_j · dy_j`, the product [`dot_blocks_q8_0`] forms per block), so what is
+/// left per row and pair of blocks is the weight load, one `vpdpbusd`, one permute, one
+/// conversion and one multiply-add. The i32 lanes equal the sign-trick lanes and the f32
+/// operations are the same, in the same order: every output is bit-identical to the one-row
+/// kernel.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[inline]
+fn rows_blocks_q8_0<const TS: usize, const OFFSET: i8, const R: usize>(
+    ws: &[&[u8]; R],
+    y: &[BlockQ8_0],
+    unpack: impl Fn(&[u8]) -> (__m256i, f32),
+    unpack2u: impl Fn(&[u8]) -> __m512i,
+) -> [f32; R] {
+    let nb = ws[0].len() / TS;
+    let ws = ws.map(|w| &w[..nb * TS]);
+    let y = &y[..nb];
+    let mut acc = [_mm512_setzero_ps(); R];
+    let pairs = nb / 2;
+    let half = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    let offset = _mm512_set1_epi8(OFFSET);
+    let zero = _mm512_setzero_si512();
+    let mut p0 = 0;
+    while p0 < pairs {
+        let g = (pairs - p0).min(8);
+        let dy = act_scales16(&y[2 * p0..2 * (p0 + g)]);
+        let mut dd = [_mm512_setzero_ps(); R];
+        for r in 0..R {
+            dd[r] = _mm512_mul_ps(scales16::<TS>(&ws[r][2 * TS * p0..], 2 * g), dy);
+        }
+        for k in 0..g {
+            let i = p0 + k;
+            let idx = _mm512_add_epi32(half, _mm512_set1_epi32(2 * k as i32));
+            let qy = cat(ld_i8(&y[2 * i].qs), ld_i8(&y[2 * i + 1].qs));
+            // −OFFSET · (sum of each lane's four activation bytes).
+            let start = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, offset, qy));
+            for r in 0..R {
+                let xu = unpack2u(&ws[r][2 * TS * i..2 * TS * (i + 1)]);
+                let sumi = _mm512_dpbusd_epi32(start, xu, qy);
+                let d = _mm512_permutexvar_ps(idx, dd[r]);
+                acc[r] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(sumi), acc[r]);
+            }
+        }
+        p0 += g;
+    }
+    let mut out = [0f32; R];
+    for r in 0..R {
+        let mut tail = _mm256_setzero_ps();
+        if nb % 2 == 1 {
+            let (q, dx) = unpack(&ws[r][(nb - 1) * TS..]);
+            tail = tail_block(q, dx, &y[nb - 1]);
+        }
+        out[r] = _mm512_reduce_add_ps(acc[r]) + hsum_ps(tail);
+    }
+    out
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn rows_q8_0(ws: &[&[u8]; 4], y: &[BlockQ8_0]) -> [f32; 4] {
+    rows_blocks_q8_0::<34, { i8::MIN }, 4>(ws, y, |b| q8_0_unpack(b), |b| q8_0_unpack2u(b))
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn rows_q4_0(ws: &[&[u8]; 4], y: &[BlockQ8_0]) -> [f32; 4] {
+    rows_blocks_q8_0::<18, 8, 4>(ws, y, |b| q4_0_unpack(b), |b| q4_0_unpack2u(b))
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn rows_q5_0(ws: &[&[u8]; 4], y: &[BlockQ8_0]) -> [f32; 4] {
+    rows_blocks_q8_0::<22, 16, 4>(ws, y, |b| q5_0_unpack(b), |b| q5_0_unpack2u(b))
 }
 
 /// Sub-block scales for 64 elements as 32 i16 lanes: `a` for lanes 0..16, `b` for 16..32.

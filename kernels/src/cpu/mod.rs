@@ -101,6 +101,20 @@ enum RowTile {
     Q8_0(Tile<BlockQ8_0>),
 }
 
+/// Four weight rows against one activation row at once (decode): each activation block is
+/// loaded once for the four rows. Every output is bit-identical to the [`Dot`] of the same type
+/// on that row.
+///
+/// # Safety
+/// As [`Dot`], for each of the four weight rows (of equal length).
+type Rows<A> = unsafe fn(&[&[u8]; 4], &[A]) -> [f32; 4];
+
+/// A decode kernel, by the activation type it reads.
+#[derive(Clone, Copy)]
+enum RowRows {
+    Q8_0(Rows<BlockQ8_0>),
+}
+
 /// Largest GGUF type id plus one: the size of the dispatch table.
 const TYPE_SLOTS: usize = 40;
 
@@ -111,6 +125,7 @@ pub struct CpuKernels {
     table: [Option<RowDot>; TYPE_SLOTS],
     table4: [Option<RowDot4>; TYPE_SLOTS],
     tile: [Option<RowTile>; TYPE_SLOTS],
+    rows: [Option<RowRows>; TYPE_SLOTS],
     vector: vector::VectorFns,
 }
 
@@ -163,7 +178,11 @@ impl CpuKernels {
         let mut table = [None; TYPE_SLOTS];
         let mut table4 = [None; TYPE_SLOTS];
         let mut tile = [None; TYPE_SLOTS];
+        let mut rows = [None; TYPE_SLOTS];
         for ty in GgmlType::ALL {
+            if let Some(slot) = rows.get_mut(ty.id() as usize) {
+                *slot = select_rows(isa, ty);
+            }
             if let Some(slot) = tile.get_mut(ty.id() as usize) {
                 *slot = select_tile(isa, ty);
             }
@@ -179,6 +198,7 @@ impl CpuKernels {
             table,
             table4,
             tile,
+            rows,
             vector: vector::VectorFns::select(isa),
         }
     }
@@ -401,18 +421,19 @@ impl CpuKernels {
         let per_tok = k_dim / act_block(ty);
         let dot4 = self.table4.get(ty.id() as usize).copied().flatten();
         let tile = self.tile.get(ty.id() as usize).copied().flatten();
+        let rows = self.rows.get(ty.id() as usize).copied().flatten();
         // SAFETY (for every arm): `new` checked the CPU has this backend's ISA, and
         // `check_weights` checked that each `row_bytes` row holds `per_tok` blocks, the length of
         // every activation row handed to the kernel.
         match (dot, acts.slice()) {
             (RowDot::F32(f), Some(ActSlice::F32(a))) => {
-                run(f, None, None, w, row_bytes, a, per_tok, geo, out, tiles)
+                run(f, Fast::none(), w, row_bytes, a, per_tok, geo, out, tiles)
             }
             (RowDot::F16(f), Some(ActSlice::F16(a))) => {
-                run(f, None, None, w, row_bytes, a, per_tok, geo, out, tiles)
+                run(f, Fast::none(), w, row_bytes, a, per_tok, geo, out, tiles)
             }
             (RowDot::Bf16(f), Some(ActSlice::Bf16(a))) => {
-                run(f, None, None, w, row_bytes, a, per_tok, geo, out, tiles)
+                run(f, Fast::none(), w, row_bytes, a, per_tok, geo, out, tiles)
             }
             (RowDot::Q8_0(f), Some(ActSlice::Q8_0(a))) => {
                 let f4 = match dot4 {
@@ -420,17 +441,27 @@ impl CpuKernels {
                     _ => None,
                 };
                 let ft = tile.map(|RowTile::Q8_0(ft)| ft);
-                run(f, f4, ft, w, row_bytes, a, per_tok, geo, out, tiles)
+                let fr = rows.map(|RowRows::Q8_0(fr)| fr);
+                let fast = Fast {
+                    dot4: f4,
+                    tile: ft,
+                    rows: fr,
+                };
+                run(f, fast, w, row_bytes, a, per_tok, geo, out, tiles)
             }
             (RowDot::Q8_1(f), Some(ActSlice::Q8_1(a))) => {
-                run(f, None, None, w, row_bytes, a, per_tok, geo, out, tiles)
+                run(f, Fast::none(), w, row_bytes, a, per_tok, geo, out, tiles)
             }
             (RowDot::Q8K(f), Some(ActSlice::Q8K(a))) => {
                 let f4 = match dot4 {
                     Some(RowDot4::Q8K(f4)) => Some(f4),
                     _ => None,
                 };
-                run(f, f4, None, w, row_bytes, a, per_tok, geo, out, tiles)
+                let fast = Fast {
+                    dot4: f4,
+                    ..Fast::none()
+                };
+                run(f, fast, w, row_bytes, a, per_tok, geo, out, tiles)
             }
             _ => return Err(self.act_mismatch(ty, acts)),
         }
@@ -562,6 +593,41 @@ fn select_tile(isa: Isa, ty: GgmlType) -> Option<RowTile> {
     }
 }
 
+/// The decode kernel for weights of type `ty` on `isa`, if there is one: AVX-512 with VNNI
+/// only; elsewhere decode runs the one-row kernel per row, with the same results.
+fn select_rows(isa: Isa, ty: GgmlType) -> Option<RowRows> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        match isa {
+            Isa::Avx512 if is_x86_feature_detected!("avx512vnni") => avx512::select_rows(ty),
+            _ => None,
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (isa, ty);
+        None
+    }
+}
+
+/// The multi-row kernels a product may use besides the one-row [`Dot`]; each gives the same
+/// bits as `Dot` per output.
+struct Fast<A> {
+    dot4: Option<Dot4<A>>,
+    tile: Option<Tile<A>>,
+    rows: Option<Rows<A>>,
+}
+
+impl<A> Fast<A> {
+    fn none() -> Self {
+        Self {
+            dot4: None,
+            tile: None,
+            rows: None,
+        }
+    }
+}
+
 /// How a product is cut into tasks: `tok_tile` tokens × `row_tile` rows each.
 #[derive(Clone, Copy, Debug)]
 struct Geometry {
@@ -609,8 +675,7 @@ impl Geometry {
 #[allow(clippy::too_many_arguments)]
 fn run<A: Sync>(
     dot: Dot<A>,
-    dot4: Option<Dot4<A>>,
-    tile: Option<Tile<A>>,
+    fast: Fast<A>,
     w: &[u8],
     row_bytes: usize,
     acts: &[A],
@@ -621,13 +686,25 @@ fn run<A: Sync>(
 ) {
     let row = |r: usize| &w[r * row_bytes..(r + 1) * row_bytes];
     let act = |t: usize| &acts[t * per_tok..(t + 1) * per_tok];
+    let Fast { dot4, tile, rows } = fast;
     if g.n_tokens == 1 {
         let a = act(0);
         out.par_chunks_mut(g.row_tile)
             .enumerate()
             .for_each(|(ri, o)| {
                 let r0 = ri * g.row_tile;
-                for (k, v) in o.iter_mut().enumerate() {
+                let mut done = 0;
+                if let Some(rows) = rows {
+                    for (q, o4) in o.chunks_exact_mut(4).enumerate() {
+                        let r = r0 + 4 * q;
+                        let w4 = [row(r), row(r + 1), row(r + 2), row(r + 3)];
+                        // SAFETY: see the contract above; whole weight and activation rows,
+                        // and `select_rows` checked the CPU has VNNI.
+                        o4.copy_from_slice(&unsafe { rows(&w4, a) });
+                    }
+                    done = o.len() / 4 * 4;
+                }
+                for (k, v) in o.iter_mut().enumerate().skip(done) {
                     // SAFETY: see the contract above; `row` and `act` are whole rows.
                     *v = unsafe { dot(row(r0 + k), a) };
                 }
