@@ -556,6 +556,7 @@ fn rows_blocks_q8_0<const TS: usize, const OFFSET: i8, const R: usize>(
             // −OFFSET · (sum of each lane's four activation bytes).
             let start = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, offset, qy));
             for r in 0..R {
+                prefetch(ws[r].as_ptr().wrapping_add(2 * TS * i + PREFETCH_AHEAD));
                 let xu = unpack2u(&ws[r][2 * TS * i..2 * TS * (i + 1)]);
                 let sumi = _mm512_dpbusd_epi32(start, xu, qy);
                 let d = _mm512_permutexvar_ps(idx, dd[r]);
@@ -574,6 +575,20 @@ fn rows_blocks_q8_0<const TS: usize, const OFFSET: i8, const R: usize>(
         out[r] = _mm512_reduce_add_ps(acc[r]) + hsum_ps(tail);
     }
     out
+}
+
+/// How far ahead of the bytes it reads the decode kernel asks for weights: a decode product
+/// streams its matrix once, so the rows after the current ones are wanted next. Measured on a
+/// 2-core AVX-512 machine (Gemma 3 270M decode): no prefetch 24 tok/s on one thread, 2 KiB 28.6,
+/// 4 KiB 32.1, 8 and 16 KiB the same as 4 KiB.
+const PREFETCH_AHEAD: usize = 4096;
+
+/// A hint to bring the cache line at `p` into L2; `p` need not point into an allocation (a
+/// prefetch never faults).
+#[inline(always)]
+fn prefetch(p: *const u8) {
+    // SAFETY: a prefetch reads nothing architecturally and cannot fault.
+    unsafe { _mm_prefetch::<_MM_HINT_T1>(p.cast()) }
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
