@@ -625,6 +625,9 @@ fn dot_q4k_n<const N: usize>(w: &[u8], ys: [&[BlockQ8K]; N]) -> [f32; N] {
     let mut acc_m = [_mm_setzero_ps(); N];
     for i in 0..nb {
         let xb = &w[144 * i..144 * (i + 1)];
+        for l in 0..144usize.div_ceil(64) {
+            prefetch(xb.as_ptr().wrapping_add(64 * l + PREFETCH_AHEAD));
+        }
         let (dw, dminw) = (fp16(&xb[0..]), fp16(&xb[2..]));
         let mut s12 = [0u8; 12];
         s12.copy_from_slice(&xb[4..16]);
@@ -682,6 +685,9 @@ fn dot_q6k_n<const N: usize>(w: &[u8], ys: [&[BlockQ8K]; N]) -> [f32; N] {
     let mut acc = [_mm256_setzero_ps(); N];
     for i in 0..nb {
         let xb = &w[210 * i..210 * (i + 1)];
+        for l in 0..210usize.div_ceil(64) {
+            prefetch(xb.as_ptr().wrapping_add(64 * l + PREFETCH_AHEAD));
+        }
         let dw = fp16(&xb[208..]);
         let scales = &xb[192..208];
         // The sixteen scales as i16, and a permutation per 64 elements spreading four of them
