@@ -213,6 +213,14 @@ pub trait Backend: Send + Sync {
     /// Worker threads (CPU) or streams the backend computes with.
     fn threads(&self) -> usize;
 
+    /// Run `f` where this backend's ops are cheapest to issue: the CPU backend runs it on one of
+    /// its own worker threads, so the ops of a whole forward pass are split among the workers
+    /// from inside the pool instead of each handing work over from outside and sleeping until it
+    /// is done. Results do not depend on it.
+    fn scoped<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        f()
+    }
+
     // ---- storage -------------------------------------------------------------------------
 
     /// `n` zeros.

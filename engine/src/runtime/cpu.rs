@@ -403,6 +403,10 @@ impl Backend for CpuBackend {
         format!("cpu-{}", self.kernels.isa().name())
     }
 
+    fn scoped<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        self.pool.install(f)
+    }
+
     fn threads(&self) -> usize {
         self.threads
     }

@@ -193,16 +193,17 @@ impl<'m, B: Backend + 'm> Engine<'m, B> {
         batch: &Batch,
         taps: Option<&mut dyn TapObserver>,
     ) -> Result<Logits, RuntimeError> {
-        let (data, rows) = self.guarded(cache, |cache| {
-            let mut taps = Taps::new(taps);
-            forward::forward(
-                self.model,
-                &self.weights,
-                self.backend,
-                cache,
-                batch,
-                &mut taps,
-            )
+        let (model, weights, backend) = (self.model, &self.weights, self.backend);
+        let (data, rows) = self.guarded(cache, |cache| match taps {
+            // Without taps (an observer need not be `Send`) the whole pass runs inside the
+            // backend's scope.
+            None => backend.scoped(|| {
+                forward::forward(model, weights, backend, cache, batch, &mut Taps::new(None))
+            }),
+            Some(t) => {
+                let mut taps = Taps::new(Some(t));
+                forward::forward(model, weights, backend, cache, batch, &mut taps)
+            }
         })?;
         Ok(Logits {
             data,
