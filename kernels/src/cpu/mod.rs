@@ -180,17 +180,11 @@ impl CpuKernels {
         let mut tile = [None; TYPE_SLOTS];
         let mut rows = [None; TYPE_SLOTS];
         for ty in GgmlType::ALL {
-            if let Some(slot) = rows.get_mut(ty.id() as usize) {
-                *slot = select_rows(isa, ty);
-            }
-            if let Some(slot) = tile.get_mut(ty.id() as usize) {
-                *slot = select_tile(isa, ty);
-            }
-            if let Some(slot) = table.get_mut(ty.id() as usize) {
-                *slot = select(isa, ty);
-            }
-            if let Some(slot) = table4.get_mut(ty.id() as usize) {
-                *slot = select4(isa, ty);
+            let i = ty.id() as usize;
+            if i < TYPE_SLOTS {
+                table[i] = select(isa, ty);
+                table4[i] = select4(isa, ty);
+                (tile[i], rows[i]) = select_vnni(isa, ty);
             }
         }
         Self {
@@ -576,37 +570,23 @@ fn select4(isa: Isa, ty: GgmlType) -> Option<RowDot4> {
     }
 }
 
-/// The tile kernel for weights of type `ty` on `isa`, if there is one: AVX-512 with VNNI
-/// (`vpdpbusd`) only; elsewhere the four-row or one-row kernels run, with the same results.
-fn select_tile(isa: Isa, ty: GgmlType) -> Option<RowTile> {
+/// The VNNI kernels for weights of type `ty` on `isa` (tile: four rows × four tokens, prefill;
+/// rows: four rows × one token, decode), if there are: AVX-512 with VNNI (`vpdpbusd`) only;
+/// elsewhere the four-row or one-row kernels run, with the same results.
+fn select_vnni(isa: Isa, ty: GgmlType) -> (Option<RowTile>, Option<RowRows>) {
     #[cfg(target_arch = "x86_64")]
     {
         match isa {
-            Isa::Avx512 if is_x86_feature_detected!("avx512vnni") => avx512::select_tile(ty),
-            _ => None,
+            Isa::Avx512 if is_x86_feature_detected!("avx512vnni") => {
+                (avx512::select_tile(ty), avx512::select_rows(ty))
+            }
+            _ => (None, None),
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
         let _ = (isa, ty);
-        None
-    }
-}
-
-/// The decode kernel for weights of type `ty` on `isa`, if there is one: AVX-512 with VNNI
-/// only; elsewhere decode runs the one-row kernel per row, with the same results.
-fn select_rows(isa: Isa, ty: GgmlType) -> Option<RowRows> {
-    #[cfg(target_arch = "x86_64")]
-    {
-        match isa {
-            Isa::Avx512 if is_x86_feature_detected!("avx512vnni") => avx512::select_rows(ty),
-            _ => None,
-        }
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        let _ = (isa, ty);
-        None
+        (None, None)
     }
 }
 
@@ -699,7 +679,7 @@ fn run<A: Sync>(
                         let r = r0 + 4 * q;
                         let w4 = [row(r), row(r + 1), row(r + 2), row(r + 3)];
                         // SAFETY: see the contract above; whole weight and activation rows,
-                        // and `select_rows` checked the CPU has VNNI.
+                        // and `select_vnni` checked the CPU has VNNI.
                         o4.copy_from_slice(&unsafe { rows(&w4, a) });
                     }
                     done = o.len() / 4 * 4;
@@ -734,7 +714,7 @@ fn run<A: Sync>(
                     while t + 4 <= t1 {
                         let a4 = [act(t), act(t + 1), act(t + 2), act(t + 3)];
                         // SAFETY: see the contract above; whole weight and activation rows,
-                        // and `select_tile` checked the CPU has VNNI.
+                        // and `select_vnni` checked the CPU has VNNI.
                         let v = unsafe { tile(&w4, &a4) };
                         for (i, vr) in v.into_iter().enumerate() {
                             for (k, v) in vr.into_iter().enumerate() {
