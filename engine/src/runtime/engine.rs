@@ -129,16 +129,12 @@ impl<'m, B: Backend + 'm> Engine<'m, B> {
         cache: &mut KvCache<B>,
         batch: &Batch,
     ) -> Result<Hidden<B>, RuntimeError> {
+        let (model, weights, backend) = (self.model, &self.weights, self.backend);
         let buf = self.guarded(cache, |cache| {
-            let mut taps = Taps::new(None);
-            forward::forward_hidden(
-                self.model,
-                &self.weights,
-                self.backend,
-                cache,
-                batch,
-                &mut taps,
-            )
+            backend.scoped(|| {
+                let mut taps = Taps::new(None);
+                forward::forward_hidden(model, weights, backend, cache, batch, &mut taps)
+            })
         })?;
         Ok(Hidden {
             buf,
@@ -164,16 +160,19 @@ impl<'m, B: Backend + 'm> Engine<'m, B> {
     /// head's weights.
     pub fn head(&self, hidden: &Hidden<B>, rows: &[usize]) -> Result<Logits, RuntimeError> {
         let rows: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
-        let mut taps = Taps::new(None);
-        let (data, rows) = forward::head(
-            self.model,
-            &self.weights,
-            self.backend,
-            &hidden.buf,
-            hidden.n,
-            &rows,
-            &mut taps,
-        )?;
+        let (model, weights, backend) = (self.model, &self.weights, self.backend);
+        let (data, rows) = backend.scoped(|| {
+            let mut taps = Taps::new(None);
+            forward::head(
+                model,
+                weights,
+                backend,
+                &hidden.buf,
+                hidden.n,
+                &rows,
+                &mut taps,
+            )
+        })?;
         Ok(Logits {
             data,
             n_rows: rows.len(),
@@ -195,8 +194,8 @@ impl<'m, B: Backend + 'm> Engine<'m, B> {
     ) -> Result<Logits, RuntimeError> {
         let (model, weights, backend) = (self.model, &self.weights, self.backend);
         let (data, rows) = self.guarded(cache, |cache| match taps {
-            // Without taps (an observer need not be `Send`) the whole pass runs inside the
-            // backend's scope.
+            // Every pass without taps runs inside the backend's scope (`Backend::scoped`); with
+            // taps it cannot, as an observer need not be `Send`.
             None => backend.scoped(|| {
                 forward::forward(model, weights, backend, cache, batch, &mut Taps::new(None))
             }),
