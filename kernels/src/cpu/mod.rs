@@ -101,13 +101,14 @@ enum RowTile {
     Q8_0(Tile<BlockQ8_0>),
 }
 
-/// Four weight rows against one activation row at once (decode): each activation block is
-/// loaded once for the four rows. Every output is bit-identical to the [`Dot`] of the same type
-/// on that row.
+/// `out.len()` (at most [`MAX_ROW_TILE`]) consecutive weight rows of `row_bytes` each (`w`) against one activation row
+/// (decode): the activation side of each pair of blocks is prepared once for all the rows, and
+/// the rows are streamed one after another. Every output is bit-identical to the [`Dot`] of the
+/// same type on that row.
 ///
 /// # Safety
-/// As [`Dot`], for each of the four weight rows (of equal length).
-type Rows<A> = unsafe fn(&[&[u8]; 4], &[A]) -> [f32; 4];
+/// As [`Dot`], for each of the weight rows; `w` holds `out.len()` rows of `row_bytes`.
+type Rows<A> = unsafe fn(&[u8], usize, &[A], &mut [f32]);
 
 /// A decode kernel, by the activation type it reads.
 #[derive(Clone, Copy)]
@@ -673,18 +674,14 @@ fn run<A: Sync>(
             .enumerate()
             .for_each(|(ri, o)| {
                 let r0 = ri * g.row_tile;
-                let mut done = 0;
                 if let Some(rows) = rows {
-                    for (q, o4) in o.chunks_exact_mut(4).enumerate() {
-                        let r = r0 + 4 * q;
-                        let w4 = [row(r), row(r + 1), row(r + 2), row(r + 3)];
-                        // SAFETY: see the contract above; whole weight and activation rows,
-                        // and `select_vnni` checked the CPU has VNNI.
-                        o4.copy_from_slice(&unsafe { rows(&w4, a) });
-                    }
-                    done = o.len() / 4 * 4;
+                    let ws = &w[r0 * row_bytes..(r0 + o.len()) * row_bytes];
+                    // SAFETY: see the contract above; `ws` is `o.len()` whole weight rows and
+                    // `a` a whole activation row, and `select_vnni` checked the CPU has VNNI.
+                    unsafe { rows(ws, row_bytes, a, o) };
+                    return;
                 }
-                for (k, v) in o.iter_mut().enumerate().skip(done) {
+                for (k, v) in o.iter_mut().enumerate() {
                     // SAFETY: see the contract above; `row` and `act` are whole rows.
                     *v = unsafe { dot(row(r0 + k), a) };
                 }
