@@ -127,15 +127,18 @@ fn paris_is_a_top_candidate_after_the_capital_of_france_is() {
         row[PARIS as usize],
         row.iter().filter(|&&v| v > row[PARIS as usize]).count(),
     );
-    // NumPy reference: ▁the 19.09, ▁a 18.55, ▁Paris 18.27, and a fourth candidate within
-    // 0.05 of ▁Paris. Activations are quantized to Q8 before each product, so a change of
-    // summation order moves a logit by a few hundredths: the ranks of ▁Paris and that fourth
-    // token may swap, its value may not drift (a broken layer moves it by whole units).
+    // NumPy reference (gen_greedy.py, top 8): ▁the 19.09, ▁a 18.55, ▁Paris 18.27, ▁one 18.11,
+    // ▁known 17.78, ▁often 16.95. Activations are quantized to Q8 before each product, and this
+    // prompt amplifies a single flipped code: scaling one op's output by (1 + 1e-6) moved ▁Paris
+    // from 18.37 to 18.05 here (a code flips inside a block whose scale is set by Gemma's outlier
+    // features, and the flip grows through the later layers). So ▁Paris may drift by up to 0.5,
+    // and only the tokens the reference puts above it or within 0.5 of it (▁the, ▁a, ▁one,
+    // ▁known) may outrank it. A broken layer moves it by whole units.
     assert!(
-        (paris - 18.27).abs() < 0.2,
+        (paris - 18.27).abs() < 0.5,
         "▁Paris logit {paris}, reference 18.27"
     );
-    assert!(rank <= 3, "▁Paris ranks {rank}");
+    assert!(rank <= 4, "▁Paris ranks {rank}");
 }
 
 #[test]

@@ -156,16 +156,42 @@ fn real_model_tp2_and_tp4_equal_tp1() {
         let bes = backends(degree);
         let engine = TpEngine::new(&tp, &bes, comms(degree)).unwrap_or_else(|e| panic!("{e}"));
         let mut s = TpSession::new(&engine, 64).unwrap_or_else(|e| panic!("{e}"));
+        // Teacher-forced on TP 1's greedy path: at every step TP N's pick must be TP 1's token
+        // or lie within NEAR_TIE of it, and all but at most two steps must agree exactly.
         let mut l = s.forward(&toks, None).unwrap_or_else(|e| panic!("{e}"));
-        let mut ids = Vec::new();
-        for _ in 0..12 {
-            let next = argmax(l.last());
-            ids.push(next);
-            l = s.forward(&[next], None).unwrap_or_else(|e| panic!("{e}"));
+        let mut exact = 0;
+        for (step, &want) in greedy1.iter().enumerate() {
+            let row = l.last();
+            let best = argmax(row);
+            let gap = row[best as usize] - row[want as usize];
+            eprintln!(
+                "gemma3-270m tp{degree} step {step}: tp1 {want}, tp{degree} {best}, gap {gap}"
+            );
+            assert!(
+                gap <= NEAR_TIE,
+                "gemma3-270m tp{degree} step {step}: TP 1's token {want} sits {gap} below TP \
+                 {degree}'s {best} (near-tie allowance {NEAR_TIE})"
+            );
+            exact += usize::from(best == want);
+            l = s.forward(&[want], None).unwrap_or_else(|e| panic!("{e}"));
         }
-        assert_eq!(ids, greedy1, "gemma3-270m tp{degree}: greedy continuation");
+        assert!(
+            exact + 2 >= greedy1.len(),
+            "gemma3-270m tp{degree}: only {exact} of {} greedy steps agree",
+            greedy1.len()
+        );
     }
 }
+
+/// How far below TP N's best logit TP 1's greedy token may sit before the pick counts as a
+/// divergence rather than a near tie. The real model's logits move by up to about 0.4 under a
+/// perturbation far below any summation-order change: scaling one layer's GELU output by
+/// (1 + 1e-6) moved the ▁Paris logit of `model_real.rs`'s prompt from 18.37 to 18.05, because
+/// Q8 activation rounding flips a code inside a block whose scale is set by Gemma's outlier
+/// features, and the flip grows through the later layers. A missing all-reduce or a misplaced
+/// shard moves logits by whole units (the faults of `cargo xtask verify --faults`), and the
+/// per-tap NMSE check above catches it first.
+const NEAR_TIE: f32 = 0.5;
 
 /// The real model: 18 layers of Q8-quantized activations. Once one rounding flip has happened
 /// (see [`TP_NMSE`]; on this text it is in blk.8's FFN), every later product re-quantizes a
