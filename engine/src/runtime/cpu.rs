@@ -166,9 +166,9 @@ struct KvRows<'a, E> {
     v: &'a [E],
     k_stride: usize,
     v_stride: usize,
-    /// The ISA's `q · k` and `out += w · v` for this storage type.
+    /// The ISA's `q · k` and `out = Σ w · v` for this storage type.
     dot: vector::Dot<E>,
-    axpy: vector::Axpy<E>,
+    wsum: vector::WSum<E>,
 }
 
 /// The cells query `t` sees, in index order.
@@ -211,11 +211,15 @@ fn attend_one<E>(
         sum += f64::from(*s);
     }
     let inv = (1.0 / sum) as f32;
-    for (&w, &j) in scores.iter().zip(cells) {
-        let w = w * inv;
-        let vr = &kv.v[j as usize * kv.v_stride + kv_head * m.head_dim_v..][..m.head_dim_v];
-        (kv.axpy)(out, w, vr);
+    for w in scores.iter_mut() {
+        *w *= inv;
     }
+    let rows = vector::WRows {
+        cells,
+        stride: kv.v_stride,
+        offset: kv_head * m.head_dim_v,
+    };
+    (kv.wsum)(out, scores, kv.v, rows);
 }
 
 /// One token's routing: expert ids in rank order and their weights (see [`Backend::route`]).
@@ -957,7 +961,7 @@ impl Backend for CpuBackend {
                             k_stride,
                             v_stride,
                             dot: vf.dot_f32,
-                            axpy: vf.axpy_f32,
+                            wsum: vf.wsum_f32,
                         };
                         self.attend(q, rows, m, out)
                     }
@@ -968,7 +972,7 @@ impl Backend for CpuBackend {
                             k_stride,
                             v_stride,
                             dot: vf.dot_f16,
-                            axpy: vf.axpy_f16,
+                            wsum: vf.wsum_f16,
                         };
                         self.attend(q, rows, m, out)
                     }
@@ -984,7 +988,7 @@ impl Backend for CpuBackend {
                     k_stride,
                     v_stride,
                     dot: vf.dot_f32,
-                    axpy: vf.axpy_f32,
+                    wsum: vf.wsum_f32,
                 };
                 self.attend(q, rows, m, out)
             }

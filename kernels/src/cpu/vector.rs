@@ -11,6 +11,27 @@ pub type GeluMul = fn(&mut [f32], &[f32]);
 pub type Dot<T> = fn(&[f32], &[T]) -> f32;
 /// `y[i] += a · x[i]` over `y.len()` elements (`x` at least as long).
 pub type Axpy<T> = fn(&mut [f32], f32, &[T]);
+/// Attention's weighted sum of value rows: `out[i] = Σ_j w[j] · v[cells[j]·stride + offset + i]`
+/// over `out.len()` elements, summed in the order of `cells` and rounded per element exactly as
+/// that many [`Axpy`] calls of the same ISA into a zeroed `out` (so the two agree bit for bit),
+/// but with `out` held in registers across the cells instead of read and written per cell.
+/// `w` holds at least `cells.len()` weights; every row named must lie inside `v`.
+pub type WSum<T> = fn(&mut [f32], &[f32], &[T], WRows<'_>);
+
+/// Which value rows a [`WSum`] reads: row `cells[j]` of `stride` elements, from `offset` on.
+#[derive(Clone, Copy, Debug)]
+pub struct WRows<'a> {
+    pub cells: &'a [u32],
+    pub stride: usize,
+    pub offset: usize,
+}
+
+impl WRows<'_> {
+    #[inline(always)]
+    fn start(&self, j: usize) -> usize {
+        self.cells[j] as usize * self.stride + self.offset
+    }
+}
 
 /// One ISA's vector kernels.
 #[derive(Clone, Copy)]
@@ -20,6 +41,8 @@ pub struct VectorFns {
     pub dot_f16: Dot<f16>,
     pub axpy_f32: Axpy<f32>,
     pub axpy_f16: Axpy<f16>,
+    pub wsum_f32: WSum<f32>,
+    pub wsum_f16: WSum<f16>,
 }
 
 impl VectorFns {
@@ -45,6 +68,8 @@ pub(super) const SCALAR: VectorFns = VectorFns {
     dot_f16: dot_scalar::<f16>,
     axpy_f32: axpy_scalar::<f32>,
     axpy_f16: axpy_scalar::<f16>,
+    wsum_f32: wsum_scalar::<f32>,
+    wsum_f16: wsum_scalar::<f16>,
 };
 
 /// √(2/π) and the cubic coefficient of GELU's tanh approximation (ggml's `GELU_COEF_A`).
@@ -97,13 +122,21 @@ fn axpy_scalar<T: Elem>(y: &mut [f32], a: f32, x: &[T]) {
     }
 }
 
+fn wsum_scalar<T: Elem>(out: &mut [f32], w: &[f32], v: &[T], rows: WRows<'_>) {
+    out.fill(0.0);
+    for j in 0..rows.cells.len() {
+        let s = rows.start(j);
+        axpy_scalar(out, w[j], &v[s..s + out.len()]);
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;
 
     use half::f16;
 
-    use super::{VectorFns, GELU_COEF_A, SQRT_2_OVER_PI};
+    use super::{VectorFns, WRows, GELU_COEF_A, SQRT_2_OVER_PI};
 
     pub(in crate::cpu) const AVX512: VectorFns = VectorFns {
         gelu_mul: gelu_mul_avx512,
@@ -111,6 +144,8 @@ mod x86 {
         dot_f16: dot_f16_avx512,
         axpy_f32: axpy_f32_avx512,
         axpy_f16: axpy_f16_avx512,
+        wsum_f32: wsum_f32_avx512,
+        wsum_f16: wsum_f16_avx512,
     };
 
     pub(in crate::cpu) const AVX2: VectorFns = VectorFns {
@@ -119,6 +154,8 @@ mod x86 {
         dot_f16: dot_f16_avx2,
         axpy_f32: axpy_f32_avx2,
         axpy_f16: axpy_f16_avx2,
+        wsum_f32: wsum_f32_avx2,
+        wsum_f16: wsum_f16_avx2,
     };
 
     // The safe wrappers: `VectorFns::select` hands them out only for an ISA the CPU has.
@@ -141,6 +178,10 @@ mod x86 {
     wrap!(axpy_f16_avx512, axpy_f16_512, (y: &mut [f32], s: f32, x: &[f16]));
     wrap!(axpy_f32_avx2, axpy_f32_256, (y: &mut [f32], s: f32, x: &[f32]));
     wrap!(axpy_f16_avx2, axpy_f16_256, (y: &mut [f32], s: f32, x: &[f16]));
+    wrap!(wsum_f32_avx512, wsum_f32_512, (o: &mut [f32], w: &[f32], v: &[f32], r: WRows<'_>));
+    wrap!(wsum_f16_avx512, wsum_f16_512, (o: &mut [f32], w: &[f32], v: &[f16], r: WRows<'_>));
+    wrap!(wsum_f32_avx2, wsum_f32_256, (o: &mut [f32], w: &[f32], v: &[f32], r: WRows<'_>));
+    wrap!(wsum_f16_avx2, wsum_f16_256, (o: &mut [f32], w: &[f32], v: &[f16], r: WRows<'_>));
 
     /// exp(x) for x ≤ 88.7 (larger gives +∞): x = n·ln2 + r with |r| ≤ ln2/2 (ln 2 split in
     /// two for an exact reduction), then Cephes' degree-6 polynomial for e^r (≈ 1 ulp), scaled by
@@ -374,6 +415,101 @@ mod x86 {
     }
     axpy256!(axpy_f32_256, f32, ld8_f32);
     axpy256!(axpy_f16_256, f16, ld8_f16);
+
+    // The weighted sums: `out` in blocks of four vectors held in registers across every cell,
+    // then single vectors, then the scalar tail (as the ISA's axpy splits a row: vector lanes
+    // fused, the tail unfused), so each element sees the same operations as in the axpy loop.
+    macro_rules! wsum {
+        ($name:ident, $feat:literal, $t:ty, $lanes:literal, $zero:ident, $set1:ident,
+         $fma:ident, $store:ident, $ld:ident) => {
+            #[target_feature(enable = $feat)]
+            fn $name(out: &mut [f32], w: &[f32], v: &[$t], rows: WRows<'_>) {
+                let n = out.len();
+                let m = rows.cells.len();
+                let w = &w[..m];
+                let (block, main) = (n / (4 * $lanes) * (4 * $lanes), n / $lanes * $lanes);
+                let mut i = 0;
+                while i < block {
+                    let mut acc = [$zero(); 4];
+                    for (j, &wj) in w.iter().enumerate() {
+                        let s = rows.start(j) + i;
+                        let row = &v[s..s + 4 * $lanes];
+                        let a = $set1(wj);
+                        for (h, acc) in acc.iter_mut().enumerate() {
+                            *acc = $fma(a, $ld(row, $lanes * h), *acc);
+                        }
+                    }
+                    for (h, acc) in acc.into_iter().enumerate() {
+                        let o = &mut out[i + $lanes * h..i + $lanes * (h + 1)];
+                        // SAFETY: `o` is `$lanes` in-bounds f32.
+                        unsafe { $store(o.as_mut_ptr(), acc) };
+                    }
+                    i += 4 * $lanes;
+                }
+                while i < main {
+                    let mut acc = $zero();
+                    for (j, &wj) in w.iter().enumerate() {
+                        let s = rows.start(j) + i;
+                        acc = $fma($set1(wj), $ld(&v[s..s + $lanes], 0), acc);
+                    }
+                    let o = &mut out[i..i + $lanes];
+                    // SAFETY: `o` is `$lanes` in-bounds f32.
+                    unsafe { $store(o.as_mut_ptr(), acc) };
+                    i += $lanes;
+                }
+                let tail = &mut out[main..];
+                tail.fill(0.0);
+                for (j, &wj) in w.iter().enumerate() {
+                    let s = rows.start(j) + main;
+                    super::axpy_scalar(tail, wj, &v[s..s + (n - main)]);
+                }
+            }
+        };
+    }
+    wsum!(
+        wsum_f32_512,
+        "avx512f,avx512bw,avx512vl,avx2,fma,f16c",
+        f32,
+        16,
+        _mm512_setzero_ps,
+        _mm512_set1_ps,
+        _mm512_fmadd_ps,
+        _mm512_storeu_ps,
+        ld16_f32
+    );
+    wsum!(
+        wsum_f16_512,
+        "avx512f,avx512bw,avx512vl,avx2,fma,f16c",
+        f16,
+        16,
+        _mm512_setzero_ps,
+        _mm512_set1_ps,
+        _mm512_fmadd_ps,
+        _mm512_storeu_ps,
+        ld16_f16
+    );
+    wsum!(
+        wsum_f32_256,
+        "avx2,fma,f16c",
+        f32,
+        8,
+        _mm256_setzero_ps,
+        _mm256_set1_ps,
+        _mm256_fmadd_ps,
+        _mm256_storeu_ps,
+        ld8_f32
+    );
+    wsum!(
+        wsum_f16_256,
+        "avx2,fma,f16c",
+        f16,
+        8,
+        _mm256_setzero_ps,
+        _mm256_set1_ps,
+        _mm256_fmadd_ps,
+        _mm256_storeu_ps,
+        ld8_f16
+    );
 }
 
 #[cfg(test)]
@@ -467,6 +603,52 @@ mod tests {
                     a[i],
                     b[i]
                 );
+            }
+        }
+    }
+
+    /// The weighted sum is the ISA's axpy loop into a zeroed row, bit for bit: every head width
+    /// with each kind of tail (four-vector blocks, single vectors, scalar elements), rows read
+    /// out of order from a strided store at an offset, and zero, one or many cells.
+    #[test]
+    fn wsum_equals_the_axpy_loop_bit_for_bit() {
+        use super::WRows;
+        for (isa, f) in sets() {
+            for n in [1, 7, 8, 16, 24, 64, 72, 100, 256] {
+                let (stride, offset) = (2 * n + 3, n + 1);
+                for cells in [vec![], vec![2u32], vec![4, 0, 3, 1, 2, 4]] {
+                    let v32: Vec<f32> = (0..5 * stride)
+                        .map(|i| ((i * 29 % 23) as f32 - 11.0) * 0.173)
+                        .collect();
+                    let v16: Vec<f16> = v32.iter().map(|&x| f16::from_f32(x)).collect();
+                    let w: Vec<f32> = (0..cells.len()).map(|j| 0.3 - 0.11 * j as f32).collect();
+                    let rows = WRows {
+                        cells: &cells,
+                        stride,
+                        offset,
+                    };
+                    let (mut a32, mut a16) = (vec![0f32; n], vec![0f32; n]);
+                    for (j, &c) in cells.iter().enumerate() {
+                        let s = c as usize * stride + offset;
+                        (f.axpy_f32)(&mut a32, w[j], &v32[s..s + n]);
+                        (f.axpy_f16)(&mut a16, w[j], &v16[s..s + n]);
+                    }
+                    // Garbage in `out` first: the sum overwrites it.
+                    let (mut o32, mut o16) = (vec![9f32; n], vec![9f32; n]);
+                    (f.wsum_f32)(&mut o32, &w, &v32, rows);
+                    (f.wsum_f16)(&mut o16, &w, &v16, rows);
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(
+                        bits(&o32),
+                        bits(&a32),
+                        "{isa} wsum_f32 n {n} cells {cells:?}"
+                    );
+                    assert_eq!(
+                        bits(&o16),
+                        bits(&a16),
+                        "{isa} wsum_f16 n {n} cells {cells:?}"
+                    );
+                }
             }
         }
     }
