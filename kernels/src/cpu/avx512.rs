@@ -411,7 +411,7 @@ fn tile_blocks_q8_0<const TS: usize, const OFFSET: i8>(
     let offset = _mm512_set1_epi8(OFFSET);
     let zero = _mm512_setzero_si512();
     const YS: usize = std::mem::size_of::<BlockQ8_0>();
-    let y_bytes: [&[u8]; 4] = ys.map(|y| bytemuck::cast_slice(y));
+    let y_bytes: [&[u8]; 4] = ys.map(bytemuck::cast_slice);
     for i in 0..pairs {
         // Each pair's scales come from the bytes it loads anyway (see `pair_scales`), not from
         // gathers at the start of a group of sixteen blocks: eight gathers per group cost about
