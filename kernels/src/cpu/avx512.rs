@@ -525,78 +525,116 @@ pub(super) fn select_rows(ty: GgmlType) -> Option<RowRows> {
 /// pair by pair (four streams 680 bytes apart read at less than half the bandwidth of one).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 #[inline]
-fn rows_blocks_q8_0<const TS: usize, const OFFSET: i8>(
+fn rows_blocks_q8_0<const TS: usize, const OFFSET: i8, const T: usize>(
     w: &[u8],
     row_bytes: usize,
-    y: &[BlockQ8_0],
+    ys: &[&[BlockQ8_0]],
     out: &mut [f32],
+    out_stride: usize,
     unpack: impl Fn(&[u8]) -> (__m256i, f32),
     unpack2u: impl Fn(&[u8]) -> __m512i,
 ) {
     let nb = row_bytes / TS;
-    let y = &y[..nb];
+    let n_rows = w.len() / row_bytes;
+    let ys: [&[BlockQ8_0]; T] = std::array::from_fn(|t| &ys[t][..nb]);
     let pairs = nb / 2;
     let offset = _mm512_set1_epi8(OFFSET);
     let zero = _mm512_setzero_si512();
-    let y_bytes: &[u8] = bytemuck::cast_slice(y);
     const YS: usize = std::mem::size_of::<BlockQ8_0>();
+    let y_bytes: [&[u8]; T] = ys.map(bytemuck::cast_slice);
     const CHUNK: usize = 16;
-    let mut qy = [zero; CHUNK];
-    let mut start = [zero; CHUNK];
-    let mut dyp = [_mm512_setzero_ps(); CHUNK];
-    // Each row's running sum between chunks (rows wider than CHUNK pairs), for up to MAX_ROWS
-    // rows at a time (`run`'s tasks have at most `super::MAX_ROW_TILE`).
+    let mut qy = [[zero; T]; CHUNK];
+    let mut start = [[zero; T]; CHUNK];
+    let mut dyp = [[_mm512_setzero_ps(); T]; CHUNK];
+    // Each (row, token)'s running sum between chunks (rows wider than CHUNK pairs), for up to
+    // MAX_ROWS rows at a time (`run`'s tasks have at most `super::MAX_ROW_TILE`).
     const MAX_ROWS: usize = 64;
-    let mut acc = [_mm512_setzero_ps(); MAX_ROWS];
-    for (j, out) in out.chunks_mut(MAX_ROWS).enumerate() {
-        let w = &w[j * MAX_ROWS * row_bytes..];
-        let rows = |r: usize| &w[r * row_bytes..r * row_bytes + nb * TS];
+    let mut acc = [[_mm512_setzero_ps(); T]; MAX_ROWS];
+    for r0 in (0..n_rows).step_by(MAX_ROWS) {
+        let rows = |r: usize| &w[(r0 + r) * row_bytes..(r0 + r) * row_bytes + nb * TS];
+        let n = (n_rows - r0).min(MAX_ROWS);
         let mut c0 = 0;
         while c0 < pairs {
-            let n = (pairs - c0).min(CHUNK);
-            for k in 0..n {
+            let m = (pairs - c0).min(CHUNK);
+            for k in 0..m {
                 let i = c0 + k;
-                let yb = &y_bytes[2 * YS * i..2 * YS * (i + 1)];
-                qy[k] = cat(ld_u8(&yb[2..]), ld_u8(&yb[YS + 2..]));
-                // −OFFSET · (sum of each lane's four activation bytes).
-                start[k] = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, offset, qy[k]));
-                // Activation blocks are laid out as Q8_0 weight blocks: their scales come out the
-                // same way.
-                dyp[k] = pair_scales::<YS>(yb);
+                for t in 0..T {
+                    let yb = &y_bytes[t][2 * YS * i..2 * YS * (i + 1)];
+                    qy[k][t] = cat(ld_u8(&yb[2..]), ld_u8(&yb[YS + 2..]));
+                    // −OFFSET · (sum of each lane's four activation bytes).
+                    start[k][t] =
+                        _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, offset, qy[k][t]));
+                    // Activation blocks are laid out as Q8_0 weight blocks: their scales come
+                    // out the same way.
+                    dyp[k][t] = pair_scales::<YS>(yb);
+                }
             }
-            let last = c0 + n == pairs;
-            for (r, o) in out.iter_mut().enumerate() {
+            let last = c0 + m == pairs;
+            for r in 0..n {
                 let wr = rows(r);
-                let mut a = if c0 == 0 { _mm512_setzero_ps() } else { acc[r] };
-                for k in 0..n {
+                let mut a = if c0 == 0 {
+                    [_mm512_setzero_ps(); T]
+                } else {
+                    acc[r]
+                };
+                for k in 0..m {
                     let i = c0 + k;
                     let b = &wr[2 * TS * i..2 * TS * (i + 1)];
                     prefetch(b.as_ptr().wrapping_add(PREFETCH_AHEAD));
                     let xu = unpack2u(b);
-                    let sumi = _mm512_dpbusd_epi32(start[k], xu, qy[k]);
-                    let d = _mm512_mul_ps(pair_scales::<TS>(b), dyp[k]);
-                    a = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(sumi), a);
+                    let dx = pair_scales::<TS>(b);
+                    for t in 0..T {
+                        let sumi = _mm512_dpbusd_epi32(start[k][t], xu, qy[k][t]);
+                        let d = _mm512_mul_ps(dx, dyp[k][t]);
+                        a[t] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(sumi), a[t]);
+                    }
                 }
                 if last {
-                    let mut tail = _mm256_setzero_ps();
+                    let mut tail = [_mm256_setzero_ps(); T];
                     if nb % 2 == 1 {
                         let (q, dx) = unpack(&wr[(nb - 1) * TS..]);
-                        tail = tail_block(q, dx, &y[nb - 1]);
+                        for t in 0..T {
+                            tail[t] = tail_block(q, dx, &ys[t][nb - 1]);
+                        }
                     }
-                    *o = _mm512_reduce_add_ps(a) + hsum_ps(tail);
+                    for t in 0..T {
+                        out[t * out_stride + r0 + r] =
+                            _mm512_reduce_add_ps(a[t]) + hsum_ps(tail[t]);
+                    }
                 } else {
                     acc[r] = a;
                 }
             }
-            c0 += n;
+            c0 += m;
         }
         if pairs == 0 {
-            for (r, o) in out.iter_mut().enumerate() {
+            for r in 0..n {
                 let (q, dx) = unpack(&rows(r)[..TS]);
-                *o = _mm512_reduce_add_ps(_mm512_setzero_ps()) + hsum_ps(tail_block(q, dx, &y[0]));
+                for t in 0..T {
+                    out[t * out_stride + r0 + r] = _mm512_reduce_add_ps(_mm512_setzero_ps())
+                        + hsum_ps(tail_block(q, dx, &ys[t][0]));
+                }
             }
         }
     }
+}
+
+/// `rows_blocks_q8_0` for `ys.len()` (1 ..= `super::ROWS_MAX_TOKENS`, 4) tokens, each count its
+/// own instance so that the accumulators stay in registers.
+macro_rules! rows_fn {
+    ($name:ident, $ts:literal, $offset:expr, $unpack:ident, $unpack2u:ident) => {
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+        fn $name(w: &[u8], row_bytes: usize, ys: &[&[BlockQ8_0]], out: &mut [f32], stride: usize) {
+            let (u, u2) = (|b: &[u8]| $unpack(b), |b: &[u8]| $unpack2u(b));
+            match ys.len() {
+                1 => rows_blocks_q8_0::<$ts, { $offset }, 1>(w, row_bytes, ys, out, stride, u, u2),
+                2 => rows_blocks_q8_0::<$ts, { $offset }, 2>(w, row_bytes, ys, out, stride, u, u2),
+                3 => rows_blocks_q8_0::<$ts, { $offset }, 3>(w, row_bytes, ys, out, stride, u, u2),
+                4 => rows_blocks_q8_0::<$ts, { $offset }, 4>(w, row_bytes, ys, out, stride, u, u2),
+                _ => {}
+            }
+        }
+    };
 }
 
 /// The f16 scales at the front of the two `TS`-byte blocks in `b` as f32 lanes, the first
@@ -638,41 +676,9 @@ fn prefetch(p: *const u8) {
     unsafe { _mm_prefetch::<_MM_HINT_T1>(p.cast()) }
 }
 
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-fn rows_q8_0(w: &[u8], row_bytes: usize, y: &[BlockQ8_0], out: &mut [f32]) {
-    rows_blocks_q8_0::<34, { i8::MIN }>(
-        w,
-        row_bytes,
-        y,
-        out,
-        |b| q8_0_unpack(b),
-        |b| q8_0_unpack2u(b),
-    )
-}
-
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-fn rows_q4_0(w: &[u8], row_bytes: usize, y: &[BlockQ8_0], out: &mut [f32]) {
-    rows_blocks_q8_0::<18, 8>(
-        w,
-        row_bytes,
-        y,
-        out,
-        |b| q4_0_unpack(b),
-        |b| q4_0_unpack2u(b),
-    )
-}
-
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-fn rows_q5_0(w: &[u8], row_bytes: usize, y: &[BlockQ8_0], out: &mut [f32]) {
-    rows_blocks_q8_0::<22, 16>(
-        w,
-        row_bytes,
-        y,
-        out,
-        |b| q5_0_unpack(b),
-        |b| q5_0_unpack2u(b),
-    )
-}
+rows_fn!(rows_q8_0, 34, i8::MIN, q8_0_unpack, q8_0_unpack2u);
+rows_fn!(rows_q4_0, 18, 8, q4_0_unpack, q4_0_unpack2u);
+rows_fn!(rows_q5_0, 22, 16, q5_0_unpack, q5_0_unpack2u);
 
 /// Sub-block scales for 64 elements as 32 i16 lanes: `a` for lanes 0..16, `b` for 16..32.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]

@@ -101,14 +101,16 @@ enum RowTile {
     Q8_0(Tile<BlockQ8_0>),
 }
 
-/// `out.len()` (at most [`MAX_ROW_TILE`]) consecutive weight rows of `row_bytes` each (`w`) against one activation row
-/// (decode): the activation side of each pair of blocks is prepared once for all the rows, and
-/// the rows are streamed one after another. Every output is bit-identical to the [`Dot`] of the
-/// same type on that row.
+/// Consecutive weight rows of `row_bytes` each (`w`) against up to four activation rows `ys`
+/// (decode, a small batch, a speculative verify, a prefill tile's last tokens): the activation
+/// side of each pair of blocks is prepared once for all the rows, and the rows are streamed one
+/// after another, each block unpacked once for every token. Output `(row r, token t)` goes to
+/// `out[t * stride + r]`. Every output is bit-identical to the [`Dot`] of the same type on that
+/// (row, token).
 ///
 /// # Safety
-/// As [`Dot`], for each of the weight rows; `w` holds `out.len()` rows of `row_bytes`.
-type Rows<A> = unsafe fn(&[u8], usize, &[A], &mut [f32]);
+/// As [`Dot`], for each of the weight rows and each activation row; `w` holds whole rows.
+type Rows<A> = unsafe fn(&[u8], usize, &[&[A]], &mut [f32], usize);
 
 /// A decode kernel, by the activation type it reads.
 #[derive(Clone, Copy)]
@@ -625,6 +627,13 @@ struct Geometry {
 const TOK_TILE: usize = 16;
 /// Most rows per task.
 const MAX_ROW_TILE: usize = 64;
+/// Most tokens of a product that go through the [`Rows`] kernel alone (weights streamed once per
+/// four tokens) rather than the tile kernel.
+const SMALL_BATCH: usize = 16;
+
+/// Most activation rows per [`Rows`] call (every [`Rows`] kernel takes 1 ..= this many).
+const ROWS_MAX_TOKENS: usize = 4;
+
 /// Fewest multiply-adds per task worth a rayon job.
 const MIN_TASK_MACS: usize = 1 << 15;
 
@@ -676,9 +685,10 @@ fn run<A: Sync>(
                 let r0 = ri * g.row_tile;
                 if let Some(rows) = rows {
                     let ws = &w[r0 * row_bytes..(r0 + o.len()) * row_bytes];
+                    let stride = o.len();
                     // SAFETY: see the contract above; `ws` is `o.len()` whole weight rows and
                     // `a` a whole activation row, and `select_vnni` checked the CPU has VNNI.
-                    unsafe { rows(ws, row_bytes, a, o) };
+                    unsafe { rows(ws, row_bytes, &[a], o, stride) };
                     return;
                 }
                 for (k, v) in o.iter_mut().enumerate() {
@@ -702,6 +712,56 @@ fn run<A: Sync>(
             let r1 = (r0 + g.row_tile).min(g.n_rows);
             let t1 = (t0 + g.tok_tile).min(g.n_tokens);
             let mut r = r0;
+            if let Some(rows) = rows {
+                // A small batch (a verify, a few sequences) streams the weights once, row after
+                // row, up to four tokens per pass; a prefill's tiles go through the tile kernel
+                // and only their last tokens through this one.
+                let small = g.n_tokens <= SMALL_BATCH;
+                let first = if small { t0 } else { t0 + (t1 - t0) / 4 * 4 };
+                let ws = &w[r0 * row_bytes..r1 * row_bytes];
+                let mut t = first;
+                while t < t1 {
+                    let c = (t1 - t).min(ROWS_MAX_TOKENS);
+                    let mut ys = [act(t); ROWS_MAX_TOKENS];
+                    for (k, y) in ys.iter_mut().enumerate().take(c) {
+                        *y = act(t + k);
+                    }
+                    let o = &mut buf[(t - t0) * g.row_tile..];
+                    // SAFETY: see the contract above; `ws` is whole weight rows and each of
+                    // `ys` a whole activation row, and `select_vnni` checked the CPU has VNNI.
+                    unsafe { rows(ws, row_bytes, &ys[..c], o, g.row_tile) };
+                    t += c;
+                }
+                if small {
+                    return;
+                }
+                if let Some(tile) = tile {
+                    while r + 4 <= r1 {
+                        let w4 = [row(r), row(r + 1), row(r + 2), row(r + 3)];
+                        let mut t = t0;
+                        while t < first {
+                            let a4 = [act(t), act(t + 1), act(t + 2), act(t + 3)];
+                            // SAFETY: see the contract above; whole weight and activation rows,
+                            // and `select_vnni` checked the CPU has VNNI.
+                            let v = unsafe { tile(&w4, &a4) };
+                            for (i, vr) in v.into_iter().enumerate() {
+                                for (k, v) in vr.into_iter().enumerate() {
+                                    buf[(t + k - t0) * g.row_tile + (r + i - r0)] = v;
+                                }
+                            }
+                            t += 4;
+                        }
+                        r += 4;
+                    }
+                }
+                for r in r..r1 {
+                    for t in t0..first {
+                        // SAFETY: see the contract above; whole rows.
+                        buf[(t - t0) * g.row_tile + (r - r0)] = unsafe { dot(row(r), act(t)) };
+                    }
+                }
+                return;
+            }
             if let Some(tile) = tile {
                 // Four rows at a time through the tile kernel, four tokens at a time; the last
                 // tokens of the tile one at a time.

@@ -626,7 +626,7 @@ fn prefill_equals_token_by_token() {
                 &[QK_K, 3 * QK_K]
             };
             for &k_dim in k_dims {
-                for n_tokens in [4, 5, 6, 7, 17] {
+                for n_tokens in [2, 3, 4, 5, 6, 7, 9, 16, 17, 35] {
                     let n_rows = 11;
                     let (_, w) = weights(ty, n_rows, k_dim, 300 + ti as u64);
                     let x = Rng(400 + ti as u64 + n_tokens as u64).vec(n_tokens * k_dim, 1.0);
