@@ -619,7 +619,7 @@ fn rows_blocks_q8_0<const TS: usize, const OFFSET: i8, const T: usize>(
     }
 }
 
-/// `rows_blocks_q8_0` for `ys.len()` (1 ..= `super::ROWS_MAX_TOKENS`, 4) tokens, each count its
+/// `rows_blocks_q8_0` for `ys.len()` (1 ..= `super::ROWS_MAX_TOKENS`, 8) tokens, each count its
 /// own instance so that the accumulators stay in registers.
 macro_rules! rows_fn {
     ($name:ident, $ts:literal, $offset:expr, $unpack:ident, $unpack2u:ident) => {
@@ -631,6 +631,10 @@ macro_rules! rows_fn {
                 2 => rows_blocks_q8_0::<$ts, { $offset }, 2>(w, row_bytes, ys, out, stride, u, u2),
                 3 => rows_blocks_q8_0::<$ts, { $offset }, 3>(w, row_bytes, ys, out, stride, u, u2),
                 4 => rows_blocks_q8_0::<$ts, { $offset }, 4>(w, row_bytes, ys, out, stride, u, u2),
+                5 => rows_blocks_q8_0::<$ts, { $offset }, 5>(w, row_bytes, ys, out, stride, u, u2),
+                6 => rows_blocks_q8_0::<$ts, { $offset }, 6>(w, row_bytes, ys, out, stride, u, u2),
+                7 => rows_blocks_q8_0::<$ts, { $offset }, 7>(w, row_bytes, ys, out, stride, u, u2),
+                8 => rows_blocks_q8_0::<$ts, { $offset }, 8>(w, row_bytes, ys, out, stride, u, u2),
                 _ => {}
             }
         }

@@ -101,7 +101,7 @@ enum RowTile {
     Q8_0(Tile<BlockQ8_0>),
 }
 
-/// Consecutive weight rows of `row_bytes` each (`w`) against up to four activation rows `ys`
+/// Consecutive weight rows of `row_bytes` each (`w`) against up to eight activation rows `ys`
 /// (decode, a small batch, a speculative verify, a prefill tile's last tokens): the activation
 /// side of each pair of blocks is prepared once for all the rows, and the rows are streamed one
 /// after another, each block unpacked once for every token. Output `(row r, token t)` goes to
@@ -628,11 +628,11 @@ const TOK_TILE: usize = 16;
 /// Most rows per task.
 const MAX_ROW_TILE: usize = 64;
 /// Most tokens of a product that go through the [`Rows`] kernel alone (weights streamed once per
-/// four tokens) rather than the tile kernel.
+/// eight tokens) rather than the tile kernel.
 const SMALL_BATCH: usize = 16;
 
 /// Most activation rows per [`Rows`] call (every [`Rows`] kernel takes 1 ..= this many).
-const ROWS_MAX_TOKENS: usize = 4;
+const ROWS_MAX_TOKENS: usize = 8;
 
 /// Fewest multiply-adds per task worth a rayon job.
 const MIN_TASK_MACS: usize = 1 << 15;
@@ -714,7 +714,7 @@ fn run<A: Sync>(
             let mut r = r0;
             if let Some(rows) = rows {
                 // A small batch (a verify, a few sequences) streams the weights once, row after
-                // row, up to four tokens per pass; a prefill's tiles go through the tile kernel
+                // row, up to eight tokens per pass; a prefill's tiles go through the tile kernel
                 // and only their last tokens through this one.
                 let small = g.n_tokens <= SMALL_BATCH;
                 let first = if small { t0 } else { t0 + (t1 - t0) / 4 * 4 };
