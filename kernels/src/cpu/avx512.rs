@@ -524,7 +524,10 @@ pub(super) fn select_rows(ty: GgmlType) -> Option<RowRows> {
 /// touch waits for all its cache lines at once: 64% of its samples) and interleaved four rows
 /// pair by pair (four streams 680 bytes apart read at less than half the bandwidth of one).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-#[inline]
+// Not inlined: each token count keeps its own stack frame. Inlined into one dispatcher, the
+// eight instances' arrays made one frame of hundreds of KiB that every decode call set up, and
+// decode fell from about 49 to 40 tok/s (Gemma 3, one thread, Zen 4, alternating runs).
+#[inline(never)]
 fn rows_blocks_q8_0<const TS: usize, const OFFSET: i8, const T: usize>(
     w: &[u8],
     row_bytes: usize,
