@@ -711,15 +711,18 @@ fn run<A: Sync>(
             let (r0, t0) = (ri * g.row_tile, ti * g.tok_tile);
             let r1 = (r0 + g.row_tile).min(g.n_rows);
             let t1 = (t0 + g.tok_tile).min(g.n_tokens);
-            let mut r = r0;
+            // Tokens [t0, end) go through the tile / four-row / one-row kernels; [end, t1), if
+            // there is a Rows kernel, through it: a small batch (a verify, a few sequences)
+            // streams the weights once per eight tokens, row after row, and a prefill's tile
+            // sends only its last tokens (fewer than four) there.
+            let end = match rows {
+                Some(_) if g.n_tokens <= SMALL_BATCH => t0,
+                Some(_) => t0 + (t1 - t0) / 4 * 4,
+                None => t1,
+            };
             if let Some(rows) = rows {
-                // A small batch (a verify, a few sequences) streams the weights once, row after
-                // row, up to eight tokens per pass; a prefill's tiles go through the tile kernel
-                // and only their last tokens through this one.
-                let small = g.n_tokens <= SMALL_BATCH;
-                let first = if small { t0 } else { t0 + (t1 - t0) / 4 * 4 };
                 let ws = &w[r0 * row_bytes..r1 * row_bytes];
-                let mut t = first;
+                let mut t = end;
                 while t < t1 {
                     let c = (t1 - t).min(ROWS_MAX_TOKENS);
                     let mut ys = [act(t); ROWS_MAX_TOKENS];
@@ -732,43 +735,15 @@ fn run<A: Sync>(
                     unsafe { rows(ws, row_bytes, &ys[..c], o, g.row_tile) };
                     t += c;
                 }
-                if small {
-                    return;
-                }
-                if let Some(tile) = tile {
-                    while r + 4 <= r1 {
-                        let w4 = [row(r), row(r + 1), row(r + 2), row(r + 3)];
-                        let mut t = t0;
-                        while t < first {
-                            let a4 = [act(t), act(t + 1), act(t + 2), act(t + 3)];
-                            // SAFETY: see the contract above; whole weight and activation rows,
-                            // and `select_vnni` checked the CPU has VNNI.
-                            let v = unsafe { tile(&w4, &a4) };
-                            for (i, vr) in v.into_iter().enumerate() {
-                                for (k, v) in vr.into_iter().enumerate() {
-                                    buf[(t + k - t0) * g.row_tile + (r + i - r0)] = v;
-                                }
-                            }
-                            t += 4;
-                        }
-                        r += 4;
-                    }
-                }
-                for r in r..r1 {
-                    for t in t0..first {
-                        // SAFETY: see the contract above; whole rows.
-                        buf[(t - t0) * g.row_tile + (r - r0)] = unsafe { dot(row(r), act(t)) };
-                    }
-                }
-                return;
             }
+            let mut r = r0;
             if let Some(tile) = tile {
                 // Four rows at a time through the tile kernel, four tokens at a time; the last
-                // tokens of the tile one at a time.
+                // tokens before `end` one at a time.
                 while r + 4 <= r1 {
                     let w4 = [row(r), row(r + 1), row(r + 2), row(r + 3)];
                     let mut t = t0;
-                    while t + 4 <= t1 {
+                    while t + 4 <= end {
                         let a4 = [act(t), act(t + 1), act(t + 2), act(t + 3)];
                         // SAFETY: see the contract above; whole weight and activation rows,
                         // and `select_vnni` checked the CPU has VNNI.
@@ -781,7 +756,7 @@ fn run<A: Sync>(
                         t += 4;
                     }
                     for (i, wr) in w4.into_iter().enumerate() {
-                        for t in t..t1 {
+                        for t in t..end {
                             // SAFETY: see the contract above; whole rows.
                             buf[(t - t0) * g.row_tile + (r + i - r0)] = unsafe { dot(wr, act(t)) };
                         }
@@ -793,7 +768,7 @@ fn run<A: Sync>(
                 let wr = row(r);
                 let mut t = t0;
                 if let Some(dot4) = dot4 {
-                    while t + 4 <= t1 {
+                    while t + 4 <= end {
                         let a4 = [act(t), act(t + 1), act(t + 2), act(t + 3)];
                         // SAFETY: see the contract above; `wr` and each `act` are whole rows.
                         let v = unsafe { dot4(wr, &a4) };
@@ -803,7 +778,7 @@ fn run<A: Sync>(
                         t += 4;
                     }
                 }
-                for t in t..t1 {
+                for t in t..end {
                     // SAFETY: see the contract above; `wr` and `act(t)` are whole rows.
                     buf[(t - t0) * g.row_tile + (r - r0)] = unsafe { dot(wr, act(t)) };
                 }
