@@ -408,8 +408,6 @@ fn tile_blocks_q8_0<const TS: usize, const OFFSET: i8>(
     let ys = ys.map(|y| &y[..nb]);
     let mut acc = [[_mm512_setzero_ps(); 4]; 4];
     let pairs = nb / 2;
-    let offset = _mm512_set1_epi8(OFFSET);
-    let zero = _mm512_setzero_si512();
     const YS: usize = std::mem::size_of::<BlockQ8_0>();
     let y_bytes: [&[u8]; 4] = ys.map(bytemuck::cast_slice);
     for i in 0..pairs {
@@ -425,11 +423,7 @@ fn tile_blocks_q8_0<const TS: usize, const OFFSET: i8>(
             dx[r] = pair_scales::<TS>(b);
         }
         for (t, yb) in y_bytes.iter().enumerate() {
-            let yb = &yb[2 * YS * i..2 * YS * (i + 1)];
-            let qy = cat(ld_u8(&yb[2..]), ld_u8(&yb[YS + 2..]));
-            // −OFFSET · (sum of each lane's four activation bytes).
-            let start = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, offset, qy));
-            let dyp = pair_scales::<YS>(yb);
+            let (qy, start, dyp) = act_pair::<OFFSET>(&yb[2 * YS * i..2 * YS * (i + 1)]);
             for r in 0..4 {
                 let sumi = _mm512_dpbusd_epi32(start, xu[r], qy);
                 let d = _mm512_mul_ps(dx[r], dyp);
@@ -495,8 +489,8 @@ fn q5_0_unpack2u(b: &[u8]) -> __m512i {
     _mm512_or_si512(nibbles2(&b[6..], &b[28..]), h)
 }
 
-/// The AVX-512 VNNI decode kernel (four weight rows × one activation row, see
-/// [`super::RowRows`]) for weights of type `ty`, if there is one. Only for a CPU with
+/// The AVX-512 VNNI rows kernel (a task's weight rows × up to eight activation rows, see
+/// [`super::Rows`]) for weights of type `ty`, if there is one. Only for a CPU with
 /// AVX-512 VNNI (checked by the caller).
 pub(super) fn select_rows(ty: GgmlType) -> Option<RowRows> {
     use GgmlType as T;
@@ -508,8 +502,8 @@ pub(super) fn select_rows(ty: GgmlType) -> Option<RowRows> {
     })
 }
 
-/// Consecutive weight rows against one activation row of a Q8_0-activation product (a decode
-/// step), with AVX-512 VNNI; `unpack2u` and `unpack` as in [`tile_blocks_q8_0`].
+/// Consecutive weight rows against `T` activation rows of a Q8_0-activation product (a decode
+/// step, a small batch), with AVX-512 VNNI; `unpack2u` and `unpack` as in [`tile_blocks_q8_0`].
 ///
 /// The activation side of each pair of blocks (its bytes, the offset's correction, the pair's
 /// scales) is prepared once, in chunks of up to `CHUNK` pairs, for all the rows; then each row
@@ -541,7 +535,6 @@ fn rows_blocks_q8_0<const TS: usize, const OFFSET: i8, const T: usize>(
     let n_rows = w.len() / row_bytes;
     let ys: [&[BlockQ8_0]; T] = std::array::from_fn(|t| &ys[t][..nb]);
     let pairs = nb / 2;
-    let offset = _mm512_set1_epi8(OFFSET);
     let zero = _mm512_setzero_si512();
     const YS: usize = std::mem::size_of::<BlockQ8_0>();
     let y_bytes: [&[u8]; T] = ys.map(bytemuck::cast_slice);
@@ -562,14 +555,8 @@ fn rows_blocks_q8_0<const TS: usize, const OFFSET: i8, const T: usize>(
             for k in 0..m {
                 let i = c0 + k;
                 for t in 0..T {
-                    let yb = &y_bytes[t][2 * YS * i..2 * YS * (i + 1)];
-                    qy[k][t] = cat(ld_u8(&yb[2..]), ld_u8(&yb[YS + 2..]));
-                    // −OFFSET · (sum of each lane's four activation bytes).
-                    start[k][t] =
-                        _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, offset, qy[k][t]));
-                    // Activation blocks are laid out as Q8_0 weight blocks: their scales come
-                    // out the same way.
-                    dyp[k][t] = pair_scales::<YS>(yb);
+                    (qy[k][t], start[k][t], dyp[k][t]) =
+                        act_pair::<OFFSET>(&y_bytes[t][2 * YS * i..2 * YS * (i + 1)]);
                 }
             }
             let last = c0 + m == pairs;
@@ -629,6 +616,7 @@ macro_rules! rows_fn {
         #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
         fn $name(w: &[u8], row_bytes: usize, ys: &[&[BlockQ8_0]], out: &mut [f32], stride: usize) {
             let (u, u2) = (|b: &[u8]| $unpack(b), |b: &[u8]| $unpack2u(b));
+            debug_assert!((1..=8).contains(&ys.len()), "{} tokens", ys.len());
             match ys.len() {
                 1 => rows_blocks_q8_0::<$ts, { $offset }, 1>(w, row_bytes, ys, out, stride, u, u2),
                 2 => rows_blocks_q8_0::<$ts, { $offset }, 2>(w, row_bytes, ys, out, stride, u, u2),
@@ -642,6 +630,23 @@ macro_rules! rows_fn {
             }
         }
     };
+}
+
+/// The activation side of one pair of Q8_0 blocks (`yb`, 68 bytes) for a VNNI product with
+/// weights stored as values plus `OFFSET`: the 64 signed bytes, the starting sums
+/// −`OFFSET`·(each lane's four bytes), and the two scales spread as [`pair_scales`] spreads them
+/// (activation blocks are laid out as Q8_0 weight blocks).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[inline]
+fn act_pair<const OFFSET: i8>(yb: &[u8]) -> (__m512i, __m512i, __m512) {
+    const YS: usize = std::mem::size_of::<BlockQ8_0>();
+    let zero = _mm512_setzero_si512();
+    let qy = cat(ld_u8(&yb[2..]), ld_u8(&yb[YS + 2..]));
+    let start = _mm512_sub_epi32(
+        zero,
+        _mm512_dpbusd_epi32(zero, _mm512_set1_epi8(OFFSET), qy),
+    );
+    (qy, start, pair_scales::<YS>(yb))
 }
 
 /// The f16 scales at the front of the two `TS`-byte blocks in `b` as f32 lanes, the first

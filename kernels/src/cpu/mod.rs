@@ -112,7 +112,7 @@ enum RowTile {
 /// As [`Dot`], for each of the weight rows and each activation row; `w` holds whole rows.
 type Rows<A> = unsafe fn(&[u8], usize, &[&[A]], &mut [f32], usize);
 
-/// A decode kernel, by the activation type it reads.
+/// A rows kernel (decode, small batches), by the activation type it reads.
 #[derive(Clone, Copy)]
 enum RowRows {
     Q8_0(Rows<BlockQ8_0>),
