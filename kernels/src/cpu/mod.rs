@@ -87,20 +87,6 @@ enum RowDot4 {
     Q8K(Dot4<BlockQ8K>),
 }
 
-/// Four weight rows against four activation rows at once (`out[r][t]`): each weight block is
-/// unpacked once for the four tokens, each activation block loaded once for the four rows. Every
-/// output is bit-identical to the [`Dot`] of the same type on that (row, token).
-///
-/// # Safety
-/// As [`Dot`], for each of the four weight rows (of equal length) and four activation rows.
-type Tile<A> = unsafe fn(&[&[u8]; 4], &[&[A]; 4]) -> [[f32; 4]; 4];
-
-/// A tile kernel, by the activation type it reads.
-#[derive(Clone, Copy)]
-enum RowTile {
-    Q8_0(Tile<BlockQ8_0>),
-}
-
 /// Consecutive weight rows of `row_bytes` each (`w`) against up to eight activation rows `ys`
 /// (decode, a small batch, a speculative verify, a prefill tile's last tokens): the activation
 /// side of each pair of blocks is prepared once for all the rows, and the rows are streamed one
@@ -118,6 +104,23 @@ enum RowRows {
     Q8_0(Rows<BlockQ8_0>),
 }
 
+/// A prefill task: consecutive weight rows of `row_bytes` each (`w`) against every activation
+/// row in `acts` (`nb` blocks each). Each weight row is unpacked once for all the task's tokens
+/// and each activation row prepared once for all its weight rows. Output `(row r, token t)` goes
+/// to `out[t * stride + r]`. Every output is bit-identical to the [`Dot`] of the same type on
+/// that (row, token).
+///
+/// # Safety
+/// As [`Dot`], for each of the weight rows and each activation row; `w` holds whole rows and
+/// `acts` whole activation rows of `nb` blocks, the blocks of one weight row.
+type Panel<A> = unsafe fn(&[u8], usize, &[A], usize, &mut [f32], usize);
+
+/// A panel kernel (prefill), by the activation type it reads.
+#[derive(Clone, Copy)]
+enum RowPanel {
+    Q8_0(Panel<BlockQ8_0>),
+}
+
 /// Largest GGUF type id plus one: the size of the dispatch table.
 const TYPE_SLOTS: usize = 40;
 
@@ -127,8 +130,8 @@ pub struct CpuKernels {
     isa: Isa,
     table: [Option<RowDot>; TYPE_SLOTS],
     table4: [Option<RowDot4>; TYPE_SLOTS],
-    tile: [Option<RowTile>; TYPE_SLOTS],
     rows: [Option<RowRows>; TYPE_SLOTS],
+    panel: [Option<RowPanel>; TYPE_SLOTS],
     vector: vector::VectorFns,
 }
 
@@ -180,22 +183,22 @@ impl CpuKernels {
     fn build(isa: Isa) -> Self {
         let mut table = [None; TYPE_SLOTS];
         let mut table4 = [None; TYPE_SLOTS];
-        let mut tile = [None; TYPE_SLOTS];
         let mut rows = [None; TYPE_SLOTS];
+        let mut panel = [None; TYPE_SLOTS];
         for ty in GgmlType::ALL {
             let i = ty.id() as usize;
             if i < TYPE_SLOTS {
                 table[i] = select(isa, ty);
                 table4[i] = select4(isa, ty);
-                (tile[i], rows[i]) = select_vnni(isa, ty);
+                (rows[i], panel[i]) = select_vnni(isa, ty);
             }
         }
         Self {
             isa,
             table,
             table4,
-            tile,
             rows,
+            panel,
             vector: vector::VectorFns::select(isa),
         }
     }
@@ -414,11 +417,11 @@ impl CpuKernels {
             return Ok(());
         }
         let row_bytes = w.len() / n_rows;
-        let geo = Geometry::new(n_rows, n_tokens, k_dim);
         let per_tok = k_dim / act_block(ty);
         let dot4 = self.table4.get(ty.id() as usize).copied().flatten();
-        let tile = self.tile.get(ty.id() as usize).copied().flatten();
         let rows = self.rows.get(ty.id() as usize).copied().flatten();
+        let panel = self.panel.get(ty.id() as usize).copied().flatten();
+        let geo = Geometry::new(n_rows, n_tokens, k_dim, TOK_TILE);
         // SAFETY (for every arm): `new` checked the CPU has this backend's ISA, and
         // `check_weights` checked that each `row_bytes` row holds `per_tok` blocks, the length of
         // every activation row handed to the kernel.
@@ -437,12 +440,21 @@ impl CpuKernels {
                     Some(RowDot4::Q8_0(f4)) => Some(f4),
                     _ => None,
                 };
-                let ft = tile.map(|RowTile::Q8_0(ft)| ft);
                 let fr = rows.map(|RowRows::Q8_0(fr)| fr);
+                let fp = panel.map(|RowPanel::Q8_0(fp)| fp);
                 let fast = Fast {
                     dot4: f4,
-                    tile: ft,
                     rows: fr,
+                    panel: fp,
+                };
+                let geo = match fp {
+                    Some(_) if n_tokens > SMALL_BATCH => Geometry::new(
+                        n_rows,
+                        n_tokens,
+                        k_dim,
+                        panel_tok_tile(per_tok * std::mem::size_of::<BlockQ8_0>()),
+                    ),
+                    _ => geo,
                 };
                 run(f, fast, w, row_bytes, a, per_tok, geo, out, tiles)
             }
@@ -573,15 +585,16 @@ fn select4(isa: Isa, ty: GgmlType) -> Option<RowDot4> {
     }
 }
 
-/// The VNNI kernels for weights of type `ty` on `isa` (tile: four rows × four tokens, prefill;
-/// rows: four rows × one token, decode), if there are: AVX-512 with VNNI (`vpdpbusd`) only;
-/// elsewhere the four-row or one-row kernels run, with the same results.
-fn select_vnni(isa: Isa, ty: GgmlType) -> (Option<RowTile>, Option<RowRows>) {
+/// The VNNI kernels for weights of type `ty` on `isa` (rows: a task's rows × up to eight
+/// tokens, decode and small batches; panel: a task's rows × all its tokens, prefill), if there
+/// are: AVX-512 with VNNI (`vpdpbusd`) only; elsewhere the four-row or one-row kernels run, with
+/// the same results.
+fn select_vnni(isa: Isa, ty: GgmlType) -> (Option<RowRows>, Option<RowPanel>) {
     #[cfg(target_arch = "x86_64")]
     {
         match isa {
             Isa::Avx512 if is_x86_feature_detected!("avx512vnni") => {
-                (avx512::select_tile(ty), avx512::select_rows(ty))
+                (avx512::select_rows(ty), avx512::select_panel(ty))
             }
             _ => (None, None),
         }
@@ -597,16 +610,16 @@ fn select_vnni(isa: Isa, ty: GgmlType) -> (Option<RowTile>, Option<RowRows>) {
 /// bits as `Dot` per output.
 struct Fast<A> {
     dot4: Option<Dot4<A>>,
-    tile: Option<Tile<A>>,
     rows: Option<Rows<A>>,
+    panel: Option<Panel<A>>,
 }
 
 impl<A> Fast<A> {
     fn none() -> Self {
         Self {
             dot4: None,
-            tile: None,
             rows: None,
+            panel: None,
         }
     }
 }
@@ -625,10 +638,26 @@ struct Geometry {
 /// Tokens per task in a prefill product: their activation rows (≤ 16 × 2.3 KB for k = 2048 in
 /// Q8_K) stay in L2 while a weight row (≈ 1.2 KB of Q4_K) stays in L1 across them.
 const TOK_TILE: usize = 16;
+/// Tokens per task in a prefill product through a [`Panel`] kernel: each weight row is unpacked
+/// once per task, so more tokens per task amortize it better, as long as the task's prepared
+/// activations (three registers per pair of blocks, 192 bytes per 68 activation bytes) stay
+/// within about [`PANEL_ACT_BYTES`].
+const PANEL_TOK_TILE: usize = 64;
+/// The size the prepared activations of a panel task aim to stay within (a Zen 4's L2 is 1 MiB,
+/// an Intel server core's 1–2 MiB).
+const PANEL_ACT_BYTES: usize = 256 << 10;
+
+/// Tokens per panel task for activation rows of `row_bytes` quantized bytes: [`PANEL_TOK_TILE`],
+/// fewer for long rows, never fewer than four.
+fn panel_tok_tile(row_bytes: usize) -> usize {
+    let prepared = row_bytes.max(1) * 3;
+    (PANEL_ACT_BYTES / prepared).clamp(4, PANEL_TOK_TILE) / 4 * 4
+}
+
 /// Most rows per task.
 const MAX_ROW_TILE: usize = 64;
 /// Most tokens of a product that go through the [`Rows`] kernel alone (weights streamed once per
-/// eight tokens) rather than the tile kernel.
+/// eight tokens) rather than the panel kernel.
 const SMALL_BATCH: usize = 16;
 
 /// Most activation rows per [`Rows`] call (every [`Rows`] kernel takes 1 ..= this many).
@@ -638,8 +667,9 @@ const ROWS_MAX_TOKENS: usize = 8;
 const MIN_TASK_MACS: usize = 1 << 15;
 
 impl Geometry {
-    fn new(n_rows: usize, n_tokens: usize, k_dim: usize) -> Self {
-        let tok_tile = n_tokens.clamp(1, TOK_TILE);
+    /// At most `max_tok_tile` tokens per task.
+    fn new(n_rows: usize, n_tokens: usize, k_dim: usize, max_tok_tile: usize) -> Self {
+        let tok_tile = n_tokens.clamp(1, max_tok_tile);
         let n_tok_tiles = n_tokens.div_ceil(tok_tile);
         // About four tasks per thread, for balance, but none too small to be worth scheduling.
         let target_tasks = 4 * rayon::current_num_threads().max(1);
@@ -676,7 +706,7 @@ fn run<A: Sync>(
 ) {
     let row = |r: usize| &w[r * row_bytes..(r + 1) * row_bytes];
     let act = |t: usize| &acts[t * per_tok..(t + 1) * per_tok];
-    let Fast { dot4, tile, rows } = fast;
+    let Fast { dot4, rows, panel } = fast;
     if g.n_tokens == 1 {
         let a = act(0);
         out.par_chunks_mut(g.row_tile)
@@ -711,18 +741,20 @@ fn run<A: Sync>(
             let (r0, t0) = (ri * g.row_tile, ti * g.tok_tile);
             let r1 = (r0 + g.row_tile).min(g.n_rows);
             let t1 = (t0 + g.tok_tile).min(g.n_tokens);
-            // Tokens [t0, end) go through the tile / four-row / one-row kernels; [end, t1), if
-            // there is a Rows kernel, through it: a small batch (a verify, a few sequences)
-            // streams the weights once per eight tokens, row after row, and a prefill's tile
-            // sends only its last tokens (fewer than four) there.
-            let end = match rows {
-                Some(_) if g.n_tokens <= SMALL_BATCH => t0,
-                Some(_) => t0 + (t1 - t0) / 4 * 4,
-                None => t1,
-            };
+            if let Some(panel) = panel.filter(|_| g.n_tokens > SMALL_BATCH) {
+                let ws = &w[r0 * row_bytes..r1 * row_bytes];
+                let ys = &acts[t0 * per_tok..t1 * per_tok];
+                // SAFETY: see the contract above; `ws` is whole weight rows and `ys` whole
+                // activation rows, and `select_vnni` checked the CPU has VNNI.
+                unsafe { panel(ws, row_bytes, ys, per_tok, buf, g.row_tile) };
+                return;
+            }
+            // A small batch (a verify, a few sequences) goes through the Rows kernel, if there
+            // is one, which streams the weights once per eight tokens, row after row; otherwise
+            // tokens go through the four-row and one-row kernels.
             if let Some(rows) = rows {
                 let ws = &w[r0 * row_bytes..r1 * row_bytes];
-                let mut t = end;
+                let mut t = t0;
                 while t < t1 {
                     let c = (t1 - t).min(ROWS_MAX_TOKENS);
                     let mut ys = [act(t); ROWS_MAX_TOKENS];
@@ -735,40 +767,13 @@ fn run<A: Sync>(
                     unsafe { rows(ws, row_bytes, &ys[..c], o, g.row_tile) };
                     t += c;
                 }
+                return;
             }
-            let mut r = r0;
-            if let Some(tile) = tile {
-                // Four rows at a time through the tile kernel, four tokens at a time; the last
-                // tokens before `end` one at a time.
-                while r + 4 <= r1 {
-                    let w4 = [row(r), row(r + 1), row(r + 2), row(r + 3)];
-                    let mut t = t0;
-                    while t + 4 <= end {
-                        let a4 = [act(t), act(t + 1), act(t + 2), act(t + 3)];
-                        // SAFETY: see the contract above; whole weight and activation rows,
-                        // and `select_vnni` checked the CPU has VNNI.
-                        let v = unsafe { tile(&w4, &a4) };
-                        for (i, vr) in v.into_iter().enumerate() {
-                            for (k, v) in vr.into_iter().enumerate() {
-                                buf[(t + k - t0) * g.row_tile + (r + i - r0)] = v;
-                            }
-                        }
-                        t += 4;
-                    }
-                    for (i, wr) in w4.into_iter().enumerate() {
-                        for t in t..end {
-                            // SAFETY: see the contract above; whole rows.
-                            buf[(t - t0) * g.row_tile + (r + i - r0)] = unsafe { dot(wr, act(t)) };
-                        }
-                    }
-                    r += 4;
-                }
-            }
-            for r in r..r1 {
+            for r in r0..r1 {
                 let wr = row(r);
                 let mut t = t0;
                 if let Some(dot4) = dot4 {
-                    while t + 4 <= end {
+                    while t + 4 <= t1 {
                         let a4 = [act(t), act(t + 1), act(t + 2), act(t + 3)];
                         // SAFETY: see the contract above; `wr` and each `act` are whole rows.
                         let v = unsafe { dot4(wr, &a4) };
@@ -778,7 +783,7 @@ fn run<A: Sync>(
                         t += 4;
                     }
                 }
-                for t in t..end {
+                for t in t..t1 {
                     // SAFETY: see the contract above; `wr` and `act(t)` are whole rows.
                     buf[(t - t0) * g.row_tile + (r - r0)] = unsafe { dot(wr, act(t)) };
                 }

@@ -607,8 +607,8 @@ fn q8_0_hand_computed() {
 /// A prefill product (tokens grouped four at a time through the four-row kernels where the ISA
 /// has them) equals the same tokens multiplied one at a time, bit for bit: the four-row kernels
 /// repeat the one-row kernel's f32 operations per row. Odd block counts exercise the 256-bit
-/// tail of the 32-element types; token counts leave every remainder of four, and 17 crosses a
-/// token tile.
+/// tail of the 32-element types; token counts leave every remainder of four, 17 crosses a
+/// token tile and 70 a panel kernel's.
 #[test]
 fn prefill_equals_token_by_token() {
     let types = [
@@ -626,7 +626,7 @@ fn prefill_equals_token_by_token() {
                 &[QK_K, 3 * QK_K]
             };
             for &k_dim in k_dims {
-                for n_tokens in [2, 3, 4, 5, 6, 7, 9, 16, 17, 35] {
+                for n_tokens in [2, 3, 4, 5, 6, 7, 9, 16, 17, 35, 70] {
                     let n_rows = 11;
                     let (_, w) = weights(ty, n_rows, k_dim, 300 + ti as u64);
                     let x = Rng(400 + ti as u64 + n_tokens as u64).vec(n_tokens * k_dim, 1.0);
