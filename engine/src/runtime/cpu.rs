@@ -169,6 +169,9 @@ struct KvRows<'a, E> {
     /// The ISA's `q · k` and `out = Σ w · v` for this storage type.
     dot: vector::Dot<E>,
     wsum: vector::WSum<E>,
+    /// The same for the query heads that share a KV head, each key and value row read once.
+    scores: vector::Scores<E>,
+    wsum_n: vector::WSumN<E>,
 }
 
 /// The cells query `t` sees, in index order.
@@ -205,6 +208,17 @@ fn attend_one<E>(
         max = max.max(s);
         scores.push(s);
     }
+    softmax_from(scores, max);
+    let rows = vector::WRows {
+        cells,
+        stride: kv.v_stride,
+        offset: kv_head * m.head_dim_v,
+    };
+    (kv.wsum)(out, scores, kv.v, rows);
+}
+
+/// Scores (already scaled) to weights: `exp(s − max)`, summed in f64 as ggml does, normalized.
+fn softmax_from(scores: &mut [f32], max: f32) {
     let mut sum = 0f64;
     for s in scores.iter_mut() {
         *s = (*s - max).exp();
@@ -214,12 +228,49 @@ fn attend_one<E>(
     for w in scores.iter_mut() {
         *w *= inv;
     }
-    let rows = vector::WRows {
+}
+
+/// The query heads `q` (`n_q` rows, consecutive heads sharing KV head `kv_head`) against
+/// `cells`: the same results as [`attend_one`] per head, bit for bit, with each key and value
+/// row read once for all the heads.
+#[allow(clippy::too_many_arguments)]
+fn attend_group<E>(
+    q: &[f32],
+    n_q: usize,
+    kv: &KvRows<'_, E>,
+    kv_head: usize,
+    cells: &[u32],
+    m: &AttnMeta<'_>,
+    scores: &mut Vec<f32>,
+    out: &mut [f32],
+) {
+    out.fill(0.0);
+    if cells.is_empty() {
+        return;
+    }
+    let n = cells.len();
+    scores.clear();
+    scores.resize(n_q * n, 0.0);
+    let keys = vector::WRows {
+        cells,
+        stride: kv.k_stride,
+        offset: kv_head * m.head_dim_k,
+    };
+    (kv.scores)(q, n_q, kv.k, keys, scores);
+    for row in scores.chunks_exact_mut(n) {
+        let mut max = f32::NEG_INFINITY;
+        for s in row.iter_mut() {
+            *s *= m.scale;
+            max = max.max(*s);
+        }
+        softmax_from(row, max);
+    }
+    let values = vector::WRows {
         cells,
         stride: kv.v_stride,
         offset: kv_head * m.head_dim_v,
     };
-    (kv.wsum)(out, scores, kv.v, rows);
+    (kv.wsum_n)(out, n_q, scores, kv.v, values);
 }
 
 /// One token's routing: expert ids in rank order and their weights (see [`Backend::route`]).
@@ -386,6 +437,21 @@ impl CpuBackend {
                 .into_par_iter()
                 .map(|t| visible_cells(m, t))
                 .collect();
+            // One task per (token, KV head) with all the query heads that share it, when that
+            // leaves every thread several tasks; otherwise (a decode step) one per head. Both
+            // give the same bits.
+            let tasks = m.queries.len() * m.n_head_kv;
+            if group > 1 && tasks >= 4 * rayon::current_num_threads() {
+                out.par_chunks_mut(group * m.head_dim_v)
+                    .enumerate()
+                    .for_each_init(Vec::new, |scores, (i, o)| {
+                        let (t, kvh) = (i / m.n_head_kv, i % m.n_head_kv);
+                        let h0 = t * m.n_head + kvh * group;
+                        let qg = &q[h0 * m.head_dim_k..(h0 + group) * m.head_dim_k];
+                        attend_group(qg, group, &kv, kvh, &visible[t], m, scores, o);
+                    });
+                return;
+            }
             out.par_chunks_mut(m.head_dim_v).enumerate().for_each_init(
                 Vec::new,
                 |scores, (i, o)| {
@@ -962,6 +1028,8 @@ impl Backend for CpuBackend {
                             v_stride,
                             dot: vf.dot_f32,
                             wsum: vf.wsum_f32,
+                            scores: vf.scores_f32,
+                            wsum_n: vf.wsum_n_f32,
                         };
                         self.attend(q, rows, m, out)
                     }
@@ -973,6 +1041,8 @@ impl Backend for CpuBackend {
                             v_stride,
                             dot: vf.dot_f16,
                             wsum: vf.wsum_f16,
+                            scores: vf.scores_f16,
+                            wsum_n: vf.wsum_n_f16,
                         };
                         self.attend(q, rows, m, out)
                     }
@@ -989,6 +1059,8 @@ impl Backend for CpuBackend {
                     v_stride,
                     dot: vf.dot_f32,
                     wsum: vf.wsum_f32,
+                    scores: vf.scores_f32,
+                    wsum_n: vf.wsum_n_f32,
                 };
                 self.attend(q, rows, m, out)
             }

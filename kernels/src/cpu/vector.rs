@@ -18,6 +18,16 @@ pub type Axpy<T> = fn(&mut [f32], f32, &[T]);
 /// `w` holds at least `cells.len()` weights; every row named must lie inside `v`.
 pub type WSum<T> = fn(&mut [f32], &[f32], &[T], WRows<'_>);
 
+/// Attention scores of `n_q` query rows against the key rows named by `rows`: `q` is
+/// `n_q × d` (`d = q.len() / n_q`), `out[i · m + j] = q_i · k[row j]` for the `m` cells, each
+/// bit-identical to the ISA's [`Dot`] of the same two rows. The query heads that share a KV head
+/// (grouped-query attention) go through one call, so each key row is read once for all of them.
+pub type Scores<T> = fn(&[f32], usize, &[T], WRows<'_>, &mut [f32]);
+/// [`WSum`] for `n_q` rows of weights at once: `out` is `n_q × d`, `w` is `n_q × m`, and output
+/// row `i` is bit-identical to [`WSum`] with weights `w[i · m..]`; each value row is read once
+/// for all `n_q`.
+pub type WSumN<T> = fn(&mut [f32], usize, &[f32], &[T], WRows<'_>);
+
 /// Which value rows a [`WSum`] reads: row `cells[j]` of `stride` elements, from `offset` on.
 #[derive(Clone, Copy, Debug)]
 pub struct WRows<'a> {
@@ -43,6 +53,10 @@ pub struct VectorFns {
     pub axpy_f16: Axpy<f16>,
     pub wsum_f32: WSum<f32>,
     pub wsum_f16: WSum<f16>,
+    pub scores_f32: Scores<f32>,
+    pub scores_f16: Scores<f16>,
+    pub wsum_n_f32: WSumN<f32>,
+    pub wsum_n_f16: WSumN<f16>,
 }
 
 impl VectorFns {
@@ -70,7 +84,55 @@ pub(super) const SCALAR: VectorFns = VectorFns {
     axpy_f16: axpy_scalar::<f16>,
     wsum_f32: wsum_scalar::<f32>,
     wsum_f16: wsum_scalar::<f16>,
+    scores_f32: scores_scalar_f32,
+    scores_f16: scores_scalar_f16,
+    wsum_n_f32: wsum_n_scalar_f32,
+    wsum_n_f16: wsum_n_scalar_f16,
 };
+
+/// [`Scores`] and [`WSumN`] as loops over an ISA's [`Dot`] and [`WSum`] (one query row at a
+/// time): the ISAs without a grouped kernel, bit-identical by construction.
+macro_rules! grouped_by_rows {
+    ($scores:ident, $wsum_n:ident, $t:ty, $dot:expr, $wsum:expr) => {
+        fn $scores(q: &[f32], n_q: usize, k: &[$t], rows: WRows<'_>, out: &mut [f32]) {
+            let (d, m) = (q.len() / n_q.max(1), rows.cells.len());
+            for i in 0..n_q {
+                let qi = &q[i * d..(i + 1) * d];
+                for j in 0..m {
+                    let s = rows.start(j);
+                    out[i * m + j] = $dot(qi, &k[s..s + d]);
+                }
+            }
+        }
+
+        fn $wsum_n(out: &mut [f32], n_q: usize, w: &[f32], v: &[$t], rows: WRows<'_>) {
+            let (d, m) = (out.len() / n_q.max(1), rows.cells.len());
+            for i in 0..n_q {
+                $wsum(
+                    &mut out[i * d..(i + 1) * d],
+                    &w[i * m..(i + 1) * m],
+                    v,
+                    rows,
+                );
+            }
+        }
+    };
+}
+
+grouped_by_rows!(
+    scores_scalar_f32,
+    wsum_n_scalar_f32,
+    f32,
+    dot_scalar::<f32>,
+    wsum_scalar::<f32>
+);
+grouped_by_rows!(
+    scores_scalar_f16,
+    wsum_n_scalar_f16,
+    f16,
+    dot_scalar::<f16>,
+    wsum_scalar::<f16>
+);
 
 /// √(2/π) and the cubic coefficient of GELU's tanh approximation (ggml's `GELU_COEF_A`).
 const SQRT_2_OVER_PI: f32 = 0.797_884_6;
@@ -146,6 +208,10 @@ mod x86 {
         axpy_f16: axpy_f16_avx512,
         wsum_f32: wsum_f32_avx512,
         wsum_f16: wsum_f16_avx512,
+        scores_f32: scores_f32_avx512,
+        scores_f16: scores_f16_avx512,
+        wsum_n_f32: wsum_n_f32_avx512,
+        wsum_n_f16: wsum_n_f16_avx512,
     };
 
     pub(in crate::cpu) const AVX2: VectorFns = VectorFns {
@@ -156,7 +222,26 @@ mod x86 {
         axpy_f16: axpy_f16_avx2,
         wsum_f32: wsum_f32_avx2,
         wsum_f16: wsum_f16_avx2,
+        scores_f32: scores_f32_avx2,
+        scores_f16: scores_f16_avx2,
+        wsum_n_f32: wsum_n_f32_avx2,
+        wsum_n_f16: wsum_n_f16_avx2,
     };
+
+    grouped_by_rows!(
+        scores_f32_avx2,
+        wsum_n_f32_avx2,
+        f32,
+        dot_f32_avx2,
+        wsum_f32_avx2
+    );
+    grouped_by_rows!(
+        scores_f16_avx2,
+        wsum_n_f16_avx2,
+        f16,
+        dot_f16_avx2,
+        wsum_f16_avx2
+    );
 
     // The safe wrappers: `VectorFns::select` hands them out only for an ISA the CPU has.
     macro_rules! wrap {
@@ -182,6 +267,10 @@ mod x86 {
     wrap!(wsum_f16_avx512, wsum_f16_512, (o: &mut [f32], w: &[f32], v: &[f16], r: WRows<'_>));
     wrap!(wsum_f32_avx2, wsum_f32_256, (o: &mut [f32], w: &[f32], v: &[f32], r: WRows<'_>));
     wrap!(wsum_f16_avx2, wsum_f16_256, (o: &mut [f32], w: &[f32], v: &[f16], r: WRows<'_>));
+    wrap!(scores_f32_avx512, scores_f32_512, (q: &[f32], n: usize, k: &[f32], r: WRows<'_>, o: &mut [f32]));
+    wrap!(scores_f16_avx512, scores_f16_512, (q: &[f32], n: usize, k: &[f16], r: WRows<'_>, o: &mut [f32]));
+    wrap!(wsum_n_f32_avx512, wsum_n_f32_512, (o: &mut [f32], n: usize, w: &[f32], v: &[f32], r: WRows<'_>));
+    wrap!(wsum_n_f16_avx512, wsum_n_f16_512, (o: &mut [f32], n: usize, w: &[f32], v: &[f16], r: WRows<'_>));
 
     /// exp(x) for x ≤ 88.7 (larger gives +∞): x = n·ln2 + r with |r| ≤ ln2/2 (ln 2 split in
     /// two for an exact reduction), then Cephes' degree-6 polynomial for e^r (≈ 1 ulp), scaled by
@@ -348,6 +437,175 @@ mod x86 {
     }
     dot512!(dot_f32_512, f32, ld16_f32);
     dot512!(dot_f16_512, f16, ld16_f16);
+
+    /// [`super::Scores`] at 512 bits: up to four query rows against two key rows at a time, each
+    /// (query, key) pair with the two accumulators, the reduction and the scalar tail of
+    /// `dot512`, so every score is bit-identical to [`dot_f32_512`] / [`dot_f16_512`].
+    macro_rules! scores512 {
+        ($name:ident, $block:ident, $t:ty, $ld:ident) => {
+            #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+            #[inline]
+            fn $block<const G: usize, const C: usize>(
+                q: [&[f32]; G],
+                k: [&[$t]; C],
+            ) -> [[f32; C]; G] {
+                let n = q[0].len();
+                let main = n / 32 * 32;
+                let mut acc = [[[_mm512_setzero_ps(); 2]; C]; G];
+                for i in (0..main).step_by(32) {
+                    for h in 0..2 {
+                        let o = i + 16 * h;
+                        let mut kv = [_mm512_setzero_ps(); C];
+                        for c in 0..C {
+                            kv[c] = $ld(k[c], o);
+                        }
+                        for g in 0..G {
+                            let qv = ld16_f32(q[g], o);
+                            for c in 0..C {
+                                acc[g][c][h] = _mm512_fmadd_ps(qv, kv[c], acc[g][c][h]);
+                            }
+                        }
+                    }
+                }
+                let mut out = [[0f32; C]; G];
+                for g in 0..G {
+                    for c in 0..C {
+                        let v = _mm512_add_ps(acc[g][c][0], acc[g][c][1]);
+                        out[g][c] = _mm512_reduce_add_ps(v)
+                            + super::dot_scalar(&q[g][main..], &k[c][main..n]);
+                    }
+                }
+                out
+            }
+
+            #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+            fn $name(q: &[f32], n_q: usize, k: &[$t], rows: WRows<'_>, out: &mut [f32]) {
+                let (d, m) = (q.len() / n_q.max(1), rows.cells.len());
+                let row = |j: usize| &k[rows.start(j)..rows.start(j) + d];
+                let qr = |i: usize| &q[i * d..(i + 1) * d];
+                let mut i = 0;
+                while i < n_q {
+                    let g = (n_q - i).min(4);
+                    let mut j = 0;
+                    while j < m {
+                        let c = (m - j).min(2);
+                        macro_rules! go {
+                            ($g:literal, $c:literal) => {{
+                                let v = $block::<$g, $c>(
+                                    std::array::from_fn(|a| qr(i + a)),
+                                    std::array::from_fn(|b| row(j + b)),
+                                );
+                                for a in 0..$g {
+                                    for b in 0..$c {
+                                        out[(i + a) * m + j + b] = v[a][b];
+                                    }
+                                }
+                            }};
+                        }
+                        match (g, c) {
+                            (4, 2) => go!(4, 2),
+                            (4, _) => go!(4, 1),
+                            (3, 2) => go!(3, 2),
+                            (3, _) => go!(3, 1),
+                            (2, 2) => go!(2, 2),
+                            (2, _) => go!(2, 1),
+                            (_, 2) => go!(1, 2),
+                            _ => go!(1, 1),
+                        }
+                        j += c;
+                    }
+                    i += g;
+                }
+            }
+        };
+    }
+    scores512!(scores_f32_512, scores_block_f32, f32, ld16_f32);
+    scores512!(scores_f16_512, scores_block_f16, f16, ld16_f16);
+
+    /// [`super::WSumN`] at 512 bits: for up to four weight rows at once, each 64-element block of
+    /// the outputs is held in sixteen registers across the cells and each value row's block is
+    /// loaded once for all of them, with the operations of `wsum` per output element; the rest of
+    /// the row (under 64 elements) goes through the one-row kernel, which splits it as `wsum`
+    /// would. Bit-identical to `wsum` per row.
+    macro_rules! wsum_n512 {
+        ($name:ident, $block:ident, $one:ident, $t:ty, $ld:ident) => {
+            #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+            #[inline]
+            fn $block<const G: usize>(
+                out: [&mut [f32]; G],
+                w: [&[f32]; G],
+                v: &[$t],
+                rows: WRows<'_>,
+                i: usize,
+            ) {
+                let mut acc = [[_mm512_setzero_ps(); 4]; G];
+                for j in 0..rows.cells.len() {
+                    let s = rows.start(j) + i;
+                    let row = &v[s..s + 64];
+                    let x = [$ld(row, 0), $ld(row, 16), $ld(row, 32), $ld(row, 48)];
+                    for g in 0..G {
+                        let a = _mm512_set1_ps(w[g][j]);
+                        for h in 0..4 {
+                            acc[g][h] = _mm512_fmadd_ps(a, x[h], acc[g][h]);
+                        }
+                    }
+                }
+                for (o, acc) in out.into_iter().zip(acc) {
+                    for (h, acc) in acc.into_iter().enumerate() {
+                        let o = &mut o[i + 16 * h..i + 16 * (h + 1)];
+                        // SAFETY: `o` is 16 in-bounds f32.
+                        unsafe { _mm512_storeu_ps(o.as_mut_ptr(), acc) };
+                    }
+                }
+            }
+
+            #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+            fn $name(out: &mut [f32], n_q: usize, w: &[f32], v: &[$t], rows: WRows<'_>) {
+                let (d, m) = (out.len() / n_q.max(1), rows.cells.len());
+                let block = d / 64 * 64;
+                let mut q = 0;
+                for chunk in out.chunks_exact_mut(d).collect::<Vec<_>>().chunks_mut(4) {
+                    let g = chunk.len();
+                    let wr = |a: usize| &w[(q + a) * m..(q + a + 1) * m];
+                    for i in (0..block).step_by(64) {
+                        match chunk {
+                            [a, b, c, e] => {
+                                $block::<4>([a, b, c, e], [wr(0), wr(1), wr(2), wr(3)], v, rows, i)
+                            }
+                            [a, b, c] => $block::<3>([a, b, c], [wr(0), wr(1), wr(2)], v, rows, i),
+                            [a, b] => $block::<2>([a, b], [wr(0), wr(1)], v, rows, i),
+                            [a] => $block::<1>([a], [wr(0)], v, rows, i),
+                            _ => {}
+                        }
+                    }
+                    if block < d {
+                        let rest = WRows {
+                            offset: rows.offset + block,
+                            ..rows
+                        };
+                        for (a, o) in chunk.iter_mut().enumerate() {
+                            $one(&mut o[block..], wr(a), v, rest);
+                        }
+                    }
+                    q += g;
+                }
+            }
+        };
+    }
+    wsum_n512!(
+        wsum_n_f32_512,
+        wsum_n_block_f32,
+        wsum_f32_512,
+        f32,
+        ld16_f32
+    );
+    wsum_n512!(
+        wsum_n_f16_512,
+        wsum_n_block_f16,
+        wsum_f16_512,
+        f16,
+        ld16_f16
+    );
 
     macro_rules! dot256 {
         ($name:ident, $t:ty, $ld:ident) => {
@@ -648,6 +906,65 @@ mod tests {
                         bits(&a16),
                         "{isa} wsum_f16 n {n} cells {cells:?}"
                     );
+                }
+            }
+        }
+    }
+
+    /// The grouped kernels equal their one-row kernels bit for bit: every query count up to
+    /// past one group of four, odd cell counts (a last key row alone), head widths with each
+    /// kind of tail, rows out of order in a strided store at an offset.
+    #[test]
+    fn grouped_scores_and_sums_equal_the_one_row_kernels_bit_for_bit() {
+        use super::WRows;
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for (isa, f) in sets() {
+            for d in [1, 16, 40, 64, 72, 256, 257] {
+                let (stride, offset) = (2 * d + 3, d + 1);
+                let v32: Vec<f32> = (0..6 * stride)
+                    .map(|i| ((i * 29 % 23) as f32 - 11.0) * 0.173)
+                    .collect();
+                let v16: Vec<f16> = v32.iter().map(|&x| f16::from_f32(x)).collect();
+                for cells in [vec![], vec![2u32], vec![4, 0, 3, 1, 2, 5, 4]] {
+                    let m = cells.len();
+                    let rows = WRows {
+                        cells: &cells,
+                        stride,
+                        offset,
+                    };
+                    for n_q in [1, 2, 3, 4, 5, 9] {
+                        let q: Vec<f32> = (0..n_q * d)
+                            .map(|i| ((i * 13 % 17) as f32 - 8.0) * 0.37)
+                            .collect();
+                        let (mut s32, mut s16) = (vec![9f32; n_q * m], vec![9f32; n_q * m]);
+                        (f.scores_f32)(&q, n_q, &v32, rows, &mut s32);
+                        (f.scores_f16)(&q, n_q, &v16, rows, &mut s16);
+                        let (mut w32, mut w16) = (Vec::new(), Vec::new());
+                        for i in 0..n_q {
+                            for &c in &cells {
+                                let s = c as usize * stride + offset;
+                                let qi = &q[i * d..(i + 1) * d];
+                                w32.push((f.dot_f32)(qi, &v32[s..s + d]));
+                                w16.push((f.dot_f16)(qi, &v16[s..s + d]));
+                            }
+                        }
+                        let what = format!("{isa} d {d} n_q {n_q} cells {cells:?}");
+                        assert_eq!(bits(&s32), bits(&w32), "scores_f32 {what}");
+                        assert_eq!(bits(&s16), bits(&w16), "scores_f16 {what}");
+
+                        let w: Vec<f32> = (0..n_q * m).map(|j| 0.3 - 0.07 * j as f32).collect();
+                        let (mut o32, mut o16) = (vec![9f32; n_q * d], vec![9f32; n_q * d]);
+                        (f.wsum_n_f32)(&mut o32, n_q, &w, &v32, rows);
+                        (f.wsum_n_f16)(&mut o16, n_q, &w, &v16, rows);
+                        for i in 0..n_q {
+                            let (mut a32, mut a16) = (vec![7f32; d], vec![7f32; d]);
+                            (f.wsum_f32)(&mut a32, &w[i * m..(i + 1) * m], &v32, rows);
+                            (f.wsum_f16)(&mut a16, &w[i * m..(i + 1) * m], &v16, rows);
+                            let r = i * d..(i + 1) * d;
+                            assert_eq!(bits(&o32[r.clone()]), bits(&a32), "wsum_n_f32 {what}");
+                            assert_eq!(bits(&o16[r]), bits(&a16), "wsum_n_f16 {what}");
+                        }
+                    }
                 }
             }
         }
