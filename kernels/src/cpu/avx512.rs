@@ -20,10 +20,13 @@ use super::scalar::scales_mins_k4;
 use super::{RowDot, RowDot4, RowPanel, RowRows};
 use crate::quant::{BlockQ8K, BlockQ8_0, GgmlType};
 
-/// The AVX-512 kernel for weights of type `ty`, if there is one.
-pub(super) fn select(ty: GgmlType) -> Option<RowDot> {
+/// The AVX-512 kernel for weights of type `ty`, if there is one; `vnni`: the CPU has AVX-512
+/// VNNI (the k-quant kernels then use it).
+pub(super) fn select(ty: GgmlType, vnni: bool) -> Option<RowDot> {
     use GgmlType as T;
     Some(match ty {
+        T::Q4K if vnni => RowDot::Q8K(dot_q4k_vnni),
+        T::Q6K if vnni => RowDot::Q8K(dot_q6k_vnni),
         T::F32 => RowDot::F32(dot_f32),
         T::F16 => RowDot::F16(dot_f16),
         T::Q4_0 => RowDot::Q8_0(dot_q4_0),
@@ -36,10 +39,12 @@ pub(super) fn select(ty: GgmlType) -> Option<RowDot> {
 }
 
 /// The AVX-512 four-row kernel for weights of type `ty`, if there is one (see
-/// [`super::RowDot4`]).
-pub(super) fn select4(ty: GgmlType) -> Option<RowDot4> {
+/// [`super::RowDot4`]); `vnni` as in [`select`].
+pub(super) fn select4(ty: GgmlType, vnni: bool) -> Option<RowDot4> {
     use GgmlType as T;
     Some(match ty {
+        T::Q4K if vnni => RowDot4::Q8K(dot4_q4k_vnni),
+        T::Q6K if vnni => RowDot4::Q8K(dot4_q6k_vnni),
         T::Q4_0 => RowDot4::Q8_0(dot4_q4_0),
         T::Q5_0 => RowDot4::Q8_0(dot4_q5_0),
         T::Q8_0 => RowDot4::Q8_0(dot4_q8_0),
@@ -885,7 +890,7 @@ fn scale_pair(a: i16, b: i16) -> __m512i {
 /// rows; per row the operations are those of the one-row kernel, in the same order.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 #[inline]
-fn dot_q4k_n<const N: usize>(w: &[u8], ys: [&[BlockQ8K]; N]) -> [f32; N] {
+fn dot_q4k_n<const N: usize, const VNNI: bool>(w: &[u8], ys: [&[BlockQ8K]; N]) -> [f32; N] {
     let m4 = _mm256_set1_epi8(0x0F);
     let nb = w.len() / 144;
     let ys = ys.map(|y| &y[..nb]);
@@ -920,7 +925,7 @@ fn dot_q4k_n<const N: usize>(w: &[u8], ys: [&[BlockQ8K]; N]) -> [f32; N] {
             let mut sumi = _mm512_setzero_si512();
             for j in 0..4 {
                 let p = _mm512_maddubs_epi16(q[j], ld512_i8(&yb.qs[64 * j..]));
-                sumi = _mm512_add_epi32(sumi, _mm512_madd_epi16(p, s[j]));
+                sumi = madd_acc::<VNNI>(sumi, p, s[j]);
             }
             let v = _mm256_cvtepi32_ps(fold_epi32(sumi));
             acc[n] = _mm256_fmadd_ps(_mm256_set1_ps(d), v, acc[n]);
@@ -935,18 +940,18 @@ fn dot_q4k_n<const N: usize>(w: &[u8], ys: [&[BlockQ8K]; N]) -> [f32; N] {
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 fn dot_q4k(w: &[u8], y: &[BlockQ8K]) -> f32 {
-    dot_q4k_n::<1>(w, [y])[0]
+    dot_q4k_n::<1, false>(w, [y])[0]
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 fn dot4_q4k(w: &[u8], y: &[&[BlockQ8K]; 4]) -> [f32; 4] {
-    dot_q4k_n::<4>(w, *y)
+    dot_q4k_n::<4, false>(w, *y)
 }
 
 /// Q6_K against `N` activation rows, each block unpacked once (see [`dot_q4k_n`]).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 #[inline]
-fn dot_q6k_n<const N: usize>(w: &[u8], ys: [&[BlockQ8K]; N]) -> [f32; N] {
+fn dot_q6k_n<const N: usize, const VNNI: bool>(w: &[u8], ys: [&[BlockQ8K]; N]) -> [f32; N] {
     let spread = spread4();
     let nb = w.len() / 210;
     let ys = ys.map(|y| &y[..nb]);
@@ -978,7 +983,7 @@ fn dot_q6k_n<const N: usize>(w: &[u8], ys: [&[BlockQ8K]; N]) -> [f32; N] {
             let mut sumi = _mm512_setzero_si512();
             for g in 0..4 {
                 let p = _mm512_maddubs_epi16(q[g], ld512_i8(&yb.qs[64 * g..]));
-                sumi = _mm512_add_epi32(sumi, _mm512_madd_epi16(p, s[g]));
+                sumi = madd_acc::<VNNI>(sumi, p, s[g]);
             }
             let sumi = _mm256_sub_epi32(fold_epi32(sumi), q6k_bias(scales, &yb.bsums));
             acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc[t]);
@@ -993,12 +998,50 @@ fn dot_q6k_n<const N: usize>(w: &[u8], ys: [&[BlockQ8K]; N]) -> [f32; N] {
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 fn dot_q6k(w: &[u8], y: &[BlockQ8K]) -> f32 {
-    dot_q6k_n::<1>(w, [y])[0]
+    dot_q6k_n::<1, false>(w, [y])[0]
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 fn dot4_q6k(w: &[u8], y: &[&[BlockQ8K]; 4]) -> [f32; 4] {
-    dot_q6k_n::<4>(w, *y)
+    dot_q6k_n::<4, false>(w, *y)
+}
+
+// The k-quant kernels with AVX-512 VNNI: each 64 elements' scaled pair sums go into the lane
+// sums with one `vpdpwssd` instead of `vpmaddwd` and an add. The same integers, so the same
+// results as the kernels above.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn dot_q4k_vnni(w: &[u8], y: &[BlockQ8K]) -> f32 {
+    dot_q4k_n::<1, true>(w, [y])[0]
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn dot4_q4k_vnni(w: &[u8], y: &[&[BlockQ8K]; 4]) -> [f32; 4] {
+    dot_q4k_n::<4, true>(w, *y)
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn dot_q6k_vnni(w: &[u8], y: &[BlockQ8K]) -> f32 {
+    dot_q6k_n::<1, true>(w, [y])[0]
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn dot4_q6k_vnni(w: &[u8], y: &[&[BlockQ8K]; 4]) -> [f32; 4] {
+    dot_q6k_n::<4, true>(w, *y)
+}
+
+/// `sumi` plus the i16 pair products of `p` and `s` summed into i32 lanes: with `VNNI` one
+/// `vpdpwssd` (only instantiated inside functions compiled with AVX-512 VNNI), else
+/// `vpmaddwd` and an add.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+#[inline]
+fn madd_acc<const VNNI: bool>(sumi: __m512i, p: __m512i, s: __m512i) -> __m512i {
+    if VNNI {
+        // SAFETY: `VNNI` is only true in the `*_vnni` kernels, which `select` hands out for a
+        // CPU with AVX-512 VNNI.
+        unsafe { _mm512_dpwssd_epi32(sumi, p, s) }
+    } else {
+        _mm512_add_epi32(sumi, _mm512_madd_epi16(p, s))
+    }
 }
 
 /// Lane i of 32 → i / 8: the index pattern that spreads four scales over 64 elements.
