@@ -11,9 +11,7 @@ use rayon::prelude::*;
 use super::KernelError;
 use crate::quant::float::{quantize_bf16, quantize_f16};
 use crate::quant::legacy::QK;
-use crate::quant::{
-    quantize_q8_0, quantize_q8_1, quantize_q8k, BlockQ8K, BlockQ8_0, BlockQ8_1, GgmlType, QK_K,
-};
+use crate::quant::{quantize_q8_1, BlockQ8K, BlockQ8_0, BlockQ8_1, GgmlType, QK_K};
 
 /// The activation type ggml's dot product for weight type `ty` reads (`vec_dot_type`), or `None`
 /// when there is no CPU matrix product for `ty`.
@@ -93,6 +91,18 @@ impl QuantizedActivations {
         n_tokens: usize,
         k_dim: usize,
     ) -> Result<(), KernelError> {
+        self.quantize_with(&super::vector::SCALAR, act_ty, x, n_tokens, k_dim)
+    }
+
+    /// [`Self::quantize`] with an ISA's quantizers for Q8_0 and Q8_K (the same bytes).
+    pub(crate) fn quantize_with(
+        &mut self,
+        vf: &super::vector::VectorFns,
+        act_ty: GgmlType,
+        x: &[f32],
+        n_tokens: usize,
+        k_dim: usize,
+    ) -> Result<(), KernelError> {
         let n = n_tokens.checked_mul(k_dim).ok_or(KernelError::Overflow {
             what: "n_tokens * k_dim",
         })?;
@@ -141,7 +151,7 @@ impl QuantizedActivations {
                         .par_chunks_mut(nb)
                         .zip(x.par_chunks(k_dim))
                         .with_min_len(min_len)
-                        .for_each(|(y, xr)| quantize_q8_0(xr, y));
+                        .for_each(|(y, xr)| (vf.quantize_q8_0)(xr, y));
                 }
             }
             GgmlType::Q8_1 => {
@@ -163,7 +173,7 @@ impl QuantizedActivations {
                         .par_chunks_mut(nb)
                         .zip(x.par_chunks(k_dim))
                         .with_min_len(min_len)
-                        .for_each(|(y, xr)| quantize_q8k(xr, y));
+                        .for_each(|(y, xr)| (vf.quantize_q8k)(xr, y));
                 }
             }
             other => return Err(KernelError::NotAnActivationType { ty: other }),

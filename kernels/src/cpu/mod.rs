@@ -262,7 +262,9 @@ impl CpuKernels {
         self.check_weights(ty, w, n_rows, k_dim)?;
         check_out(out, n_tokens, n_rows)?;
         let act_ty = self.act_type(ty)?;
-        scratch.acts.quantize(act_ty, x, n_tokens, k_dim)?;
+        scratch
+            .acts
+            .quantize_with(&self.vector, act_ty, x, n_tokens, k_dim)?;
         self.matmul_tiles(ty, w, n_rows, &scratch.acts, out, &mut scratch.tiles)
     }
 
@@ -277,7 +279,7 @@ impl CpuKernels {
         acts: &mut QuantizedActivations,
     ) -> Result<(), KernelError> {
         let act_ty = self.act_type(ty)?;
-        acts.quantize(act_ty, x, n_tokens, k_dim)
+        acts.quantize_with(&self.vector, act_ty, x, n_tokens, k_dim)
     }
 
     /// [`Self::matmul`] on activations already quantized by [`Self::quantize_activations`]

@@ -5,6 +5,8 @@
 
 use half::f16;
 
+use crate::quant::{BlockQ8K, BlockQ8_0};
+
 /// `gate[i] = gelu_tanh(gate[i]) · up[i]`.
 pub type GeluMul = fn(&mut [f32], &[f32]);
 /// `Σ a[i] · b[i]` over `a.len()` elements (`b` at least as long).
@@ -27,6 +29,10 @@ pub type Scores<T> = fn(&[f32], usize, &[T], WRows<'_>, &mut [f32]);
 /// row `i` is bit-identical to [`WSum`] with weights `w[i · m..]`; each value row is read once
 /// for all `n_q`.
 pub type WSumN<T> = fn(&mut [f32], usize, &[f32], &[T], WRows<'_>);
+
+/// Quantize f32 rows to activation blocks (`src.len()` = blocks × block size): bit-identical to
+/// [`crate::quant::quantize_q8_0`] / [`crate::quant::quantize_q8k`], whose rounding it repeats.
+pub type Quantize<B> = fn(&[f32], &mut [B]);
 
 /// Which value rows a [`WSum`] reads: row `cells[j]` of `stride` elements, from `offset` on.
 #[derive(Clone, Copy, Debug)]
@@ -57,6 +63,8 @@ pub struct VectorFns {
     pub scores_f16: Scores<f16>,
     pub wsum_n_f32: WSumN<f32>,
     pub wsum_n_f16: WSumN<f16>,
+    pub quantize_q8_0: Quantize<BlockQ8_0>,
+    pub quantize_q8k: Quantize<BlockQ8K>,
 }
 
 impl VectorFns {
@@ -88,6 +96,8 @@ pub(super) const SCALAR: VectorFns = VectorFns {
     scores_f16: scores_scalar_f16,
     wsum_n_f32: wsum_n_scalar_f32,
     wsum_n_f16: wsum_n_scalar_f16,
+    quantize_q8_0: crate::quant::quantize_q8_0,
+    quantize_q8k: crate::quant::quantize_q8k,
 };
 
 /// [`Scores`] and [`WSumN`] as loops over an ISA's [`Dot`] and [`WSum`] (one query row at a
@@ -199,6 +209,7 @@ mod x86 {
     use half::f16;
 
     use super::{VectorFns, WRows, GELU_COEF_A, SQRT_2_OVER_PI};
+    use crate::quant::{BlockQ8K, BlockQ8_0};
 
     pub(in crate::cpu) const AVX512: VectorFns = VectorFns {
         gelu_mul: gelu_mul_avx512,
@@ -212,6 +223,8 @@ mod x86 {
         scores_f16: scores_f16_avx512,
         wsum_n_f32: wsum_n_f32_avx512,
         wsum_n_f16: wsum_n_f16_avx512,
+        quantize_q8_0: quantize_q8_0_avx512,
+        quantize_q8k: quantize_q8k_avx512,
     };
 
     pub(in crate::cpu) const AVX2: VectorFns = VectorFns {
@@ -226,6 +239,8 @@ mod x86 {
         scores_f16: scores_f16_avx2,
         wsum_n_f32: wsum_n_f32_avx2,
         wsum_n_f16: wsum_n_f16_avx2,
+        quantize_q8_0: crate::quant::quantize_q8_0,
+        quantize_q8k: crate::quant::quantize_q8k,
     };
 
     grouped_by_rows!(
@@ -267,6 +282,8 @@ mod x86 {
     wrap!(wsum_f16_avx512, wsum_f16_512, (o: &mut [f32], w: &[f32], v: &[f16], r: WRows<'_>));
     wrap!(wsum_f32_avx2, wsum_f32_256, (o: &mut [f32], w: &[f32], v: &[f32], r: WRows<'_>));
     wrap!(wsum_f16_avx2, wsum_f16_256, (o: &mut [f32], w: &[f32], v: &[f16], r: WRows<'_>));
+    wrap!(quantize_q8_0_avx512, quantize_q8_0_512, (x: &[f32], o: &mut [BlockQ8_0]));
+    wrap!(quantize_q8k_avx512, quantize_q8k_512, (x: &[f32], o: &mut [BlockQ8K]));
     wrap!(scores_f32_avx512, scores_f32_512, (q: &[f32], n: usize, k: &[f32], r: WRows<'_>, o: &mut [f32]));
     wrap!(scores_f16_avx512, scores_f16_512, (q: &[f32], n: usize, k: &[f16], r: WRows<'_>, o: &mut [f32]));
     wrap!(wsum_n_f32_avx512, wsum_n_f32_512, (o: &mut [f32], n: usize, w: &[f32], v: &[f32], r: WRows<'_>));
@@ -413,6 +430,99 @@ mod x86 {
         let s = &b[i..i + 8];
         // SAFETY: `s` is 8 in-bounds f32.
         unsafe { _mm256_loadu_ps(s.as_ptr()) }
+    }
+
+    /// Whether any of the sixteen lanes of `a` (absolute values) is NaN or infinite.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    #[inline]
+    fn non_finite(a: __m512) -> bool {
+        _mm512_cmp_ps_mask::<_CMP_NLT_UQ>(a, _mm512_set1_ps(f32::INFINITY)) != 0
+    }
+
+    /// `roundf` (halves away from zero) of each lane, exactly: the truncation plus ±1 where the
+    /// fraction it dropped (exact, below 2²³) is at least one half.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    #[inline]
+    fn round_half_away(x: __m512) -> __m512 {
+        let t = _mm512_roundscale_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(x);
+        let frac = _mm512_abs_ps(_mm512_sub_ps(x, t));
+        let half = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(frac, _mm512_set1_ps(0.5));
+        let sign = _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(i32::MIN));
+        let one = _mm512_castsi512_ps(_mm512_or_si512(sign, _mm512_set1_epi32(0x3F80_0000)));
+        _mm512_mask_add_ps(t, half, t, one)
+    }
+
+    /// [`crate::quant::quantize_q8_0`] sixteen lanes at a time: the same `amax`, `d`, `1/d` and
+    /// `roundf(x / d)` saturated to i8. A block with a NaN or infinity goes through the scalar
+    /// quantizer (its casts of NaN differ from the vector conversion's).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    fn quantize_q8_0_512(src: &[f32], out: &mut [BlockQ8_0]) {
+        for (x, b) in src.chunks_exact(32).zip(out.iter_mut()) {
+            let v = [ld16_f32(x, 0), ld16_f32(x, 16)];
+            let a = [_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])];
+            if non_finite(a[0]) || non_finite(a[1]) {
+                crate::quant::quantize_q8_0(x, std::slice::from_mut(b));
+                continue;
+            }
+            let amax = _mm512_reduce_max_ps(_mm512_max_ps(a[0], a[1]));
+            let d = amax / 127.0;
+            let id = _mm512_set1_ps(if d != 0.0 { 1.0 / d } else { 0.0 });
+            for (h, v) in v.into_iter().enumerate() {
+                let q = _mm512_cvtps_epi32(round_half_away(_mm512_mul_ps(v, id)));
+                let dst = &mut b.qs[16 * h..16 * (h + 1)];
+                // SAFETY: `dst` is 16 writable bytes; `storeu` has no alignment requirement.
+                unsafe { _mm_storeu_si128(dst.as_mut_ptr().cast(), _mm512_cvtsepi32_epi8(q)) };
+            }
+            b.d = f16::from_f32(d);
+        }
+    }
+
+    /// [`crate::quant::quantize_q8k`] sixteen lanes at a time: the same signed maximum (the
+    /// first element of largest magnitude), `iscale`, round-half-even codes capped at 127, sums
+    /// per sixteen and `d`. A block with a NaN or infinity goes through the scalar quantizer.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    fn quantize_q8k_512(src: &[f32], out: &mut [BlockQ8K]) {
+        for (x, b) in src.chunks_exact(256).zip(out.iter_mut()) {
+            let mut v = [_mm512_setzero_ps(); 16];
+            let mut m = _mm512_setzero_ps();
+            let mut bad = false;
+            for (i, v) in v.iter_mut().enumerate() {
+                *v = ld16_f32(x, 16 * i);
+                let a = _mm512_abs_ps(*v);
+                bad |= non_finite(a);
+                m = _mm512_max_ps(a, m);
+            }
+            if bad {
+                crate::quant::quantize_q8k(x, std::slice::from_mut(b));
+                continue;
+            }
+            let amax = _mm512_reduce_max_ps(m);
+            if amax == 0.0 {
+                *b = bytemuck::Zeroable::zeroed();
+                continue;
+            }
+            let first = v.iter().enumerate().find_map(|(i, &v)| {
+                let hit = _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(_mm512_abs_ps(v), _mm512_set1_ps(amax));
+                (hit != 0).then(|| 16 * i + hit.trailing_zeros() as usize)
+            });
+            let Some(first) = first else {
+                crate::quant::quantize_q8k(x, std::slice::from_mut(b));
+                continue;
+            };
+            let iscale = -127.0 / x[first];
+            let s = _mm512_set1_ps(iscale);
+            for (i, v) in v.into_iter().enumerate() {
+                let p = _mm512_mul_ps(s, v);
+                let r =
+                    _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(p);
+                let q = _mm512_min_epi32(_mm512_cvtps_epi32(r), _mm512_set1_epi32(127));
+                b.bsums[i] = _mm512_reduce_add_epi32(q) as i16;
+                let dst = &mut b.qs[16 * i..16 * (i + 1)];
+                // SAFETY: `dst` is 16 writable bytes; `storeu` has no alignment requirement.
+                unsafe { _mm_storeu_si128(dst.as_mut_ptr().cast(), _mm512_cvtsepi32_epi8(q)) };
+            }
+            b.d = 1.0 / iscale;
+        }
     }
 
     macro_rules! dot512 {
@@ -966,6 +1076,75 @@ mod tests {
                         }
                     }
                 }
+            }
+        }
+    }
+
+    /// The vector quantizers equal the scalar ones byte for byte: random rows, exact halves (the
+    /// rounding rules differ there: half away from zero for Q8_0, half to even for Q8_K), ties
+    /// for the largest magnitude of either sign, zero and −0 blocks, and NaN / infinity.
+    #[test]
+    fn quantizers_equal_the_scalar_ones() {
+        use bytemuck::Zeroable;
+
+        use crate::quant::{quantize_q8_0, quantize_q8k, BlockQ8K, BlockQ8_0};
+        let mut rows: Vec<Vec<f32>> = Vec::new();
+        let mut x = 0x2545_F491_4F6C_DD1Du64;
+        let mut rnd = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+        };
+        rows.push((0..512).map(|_| rnd() * 6.0).collect());
+        // Exact halves after scaling: amax 127 makes 1/d exactly 1.
+        rows.push(
+            (0..512)
+                .map(|i| [127.0, -127.0, 0.5, -0.5, 2.5, -3.5, 1.5, 0.0][i % 8])
+                .collect(),
+        );
+        // Q8_K: the first of two equal magnitudes (−5 before 5) sets the sign.
+        rows.push(
+            (0..512)
+                .map(|i| {
+                    if i % 256 == 3 {
+                        -5.0
+                    } else if i % 256 == 9 {
+                        5.0
+                    } else {
+                        rnd()
+                    }
+                })
+                .collect(),
+        );
+        rows.push(vec![0.0; 512]);
+        rows.push(vec![-0.0; 512]);
+        let mut special: Vec<f32> = (0..512).map(|_| rnd()).collect();
+        special[5] = f32::NAN;
+        special[300] = f32::INFINITY;
+        special[40] = f32::NEG_INFINITY;
+        rows.push(special);
+        for (isa, f) in sets() {
+            for (k, row) in rows.iter().enumerate() {
+                let (mut a, mut b) = (
+                    vec![BlockQ8_0::zeroed(); 16],
+                    vec![BlockQ8_0::zeroed(); 16],
+                );
+                (f.quantize_q8_0)(row, &mut a);
+                quantize_q8_0(row, &mut b);
+                assert_eq!(
+                    bytemuck::cast_slice::<_, u8>(&a),
+                    bytemuck::cast_slice::<_, u8>(&b),
+                    "{isa} q8_0 row {k}"
+                );
+                let (mut a, mut b) = (vec![BlockQ8K::zeroed(); 2], vec![BlockQ8K::zeroed(); 2]);
+                (f.quantize_q8k)(row, &mut a);
+                quantize_q8k(row, &mut b);
+                assert_eq!(
+                    bytemuck::cast_slice::<_, u8>(&a),
+                    bytemuck::cast_slice::<_, u8>(&b),
+                    "{isa} q8k row {k}"
+                );
             }
         }
     }
