@@ -409,6 +409,8 @@ pub(super) fn select_panel(ty: GgmlType) -> Option<RowPanel> {
         T::Q4_0 => RowPanel::Q8_0(panel_q4_0),
         T::Q5_0 => RowPanel::Q8_0(panel_q5_0),
         T::Q8_0 => RowPanel::Q8_0(panel_q8_0),
+        T::Q4K => RowPanel::Q8K(panel_q4k),
+        T::Q6K => RowPanel::Q8K(panel_q6k),
         _ => return None,
     })
 }
@@ -1060,4 +1062,283 @@ const SPREAD4: [i16; 32] = {
 fn spread4() -> __m512i {
     let b: &[u8; 64] = bytemuck::cast_ref(&SPREAD4);
     ld512(b)
+}
+
+/// A weight row's block of a k-quant panel: what [`dot_q4k_n`] / [`dot_q6k_n`] unpack per block,
+/// unpacked once per task.
+#[derive(Clone, Copy)]
+#[repr(C)]
+struct KRow {
+    /// The values of each 64 elements (unsigned: Q4_K nibbles, Q6_K six bits).
+    q: [__m512i; 4],
+    /// Their scales as i16 lanes, spread as the kernels spread them.
+    s: [__m512i; 4],
+    /// Q4_K: the eight mins as i16 (low half); Q6_K: the sixteen scales as i16.
+    extra: __m256i,
+    /// The block's `d`, and Q4_K's `dmin`.
+    d: f32,
+    dmin: f32,
+}
+
+/// A token's block of a k-quant panel: its scale, and its group sums as the epilogue reads them
+/// (Q4_K: pairs added, eight i16 in the low half; Q6_K: the sixteen i16 as stored).
+#[derive(Clone, Copy)]
+#[repr(C)]
+struct KTok {
+    sums: __m256i,
+    d: f32,
+}
+
+#[derive(Default)]
+struct KPanels {
+    rows: Vec<KRow>,
+    toks: Vec<KTok>,
+}
+
+std::thread_local! {
+    static K_PANELS: std::cell::RefCell<KPanels> = std::cell::RefCell::default();
+}
+
+/// Q4_K or Q6_K (`Q6`) prefill task with AVX-512 VNNI: `w`'s rows against every activation row
+/// in `acts` (`nb` blocks each), output `(row r, token t)` to `out[t * out_stride + r]`.
+///
+/// As for the Q8_0 family's [`panel_blocks_q8_0`]: each weight row's blocks are unpacked once
+/// per task (nibbles or six-bit values, the scales spread to lanes, the mins) and each token's
+/// block sums prepared once, then four rows × four tokens run through a register micro-kernel
+/// per block: `vpmaddubsw` and `vpdpwssd` per 64 elements, then the block's epilogue. The i32
+/// lane sums are the one-row kernel's integers and the f32 operations per (row, token) are its
+/// operations in its order (`d = dy·dx`, the conversion, the multiply-add per block; Q4_K's mins
+/// term beside it; the final reductions), so every output is bit-identical to the one-row
+/// kernel.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[inline(never)]
+fn panel_blocks_kquant<const Q6: bool>(
+    w: &[u8],
+    row_bytes: usize,
+    acts: &[BlockQ8K],
+    nb: usize,
+    out: &mut [f32],
+    out_stride: usize,
+) {
+    if nb == 0 || row_bytes == 0 {
+        return;
+    }
+    let bs = if Q6 { 210 } else { 144 };
+    let n_rows = w.len() / row_bytes;
+    let n_tok = acts.len() / nb;
+    let mut p = K_PANELS.with(|p| p.take());
+    let zero_tok = KTok {
+        sums: _mm256_setzero_si256(),
+        d: 0.0,
+    };
+    p.toks.clear();
+    p.toks.resize(n_tok * nb, zero_tok);
+    for (k, yb) in p.toks.iter_mut().zip(acts) {
+        let b: &[u8; 32] = bytemuck::cast_ref(&yb.bsums);
+        let s = ld_u8(b);
+        k.sums = if Q6 {
+            s
+        } else {
+            let pairs = _mm_hadd_epi16(_mm256_castsi256_si128(s), _mm256_extracti128_si256::<1>(s));
+            _mm256_castsi128_si256(pairs)
+        };
+        k.d = yb.d;
+    }
+    let zero_row = KRow {
+        q: [_mm512_setzero_si512(); 4],
+        s: [_mm512_setzero_si512(); 4],
+        extra: _mm256_setzero_si256(),
+        d: 0.0,
+        dmin: 0.0,
+    };
+    p.rows.clear();
+    p.rows.resize(4 * nb, zero_row);
+    let mut r = 0;
+    while r < n_rows {
+        let nr = if r + 4 <= n_rows { 4 } else { 1 };
+        for k in 0..nr {
+            let row = &w[(r + k) * row_bytes..(r + k + 1) * row_bytes];
+            for i in 0..nb {
+                let xb = &row[bs * i..bs * (i + 1)];
+                p.rows[4 * i + k] = if Q6 { krow_q6k(xb) } else { krow_q4k(xb) };
+            }
+        }
+        let mut t = 0;
+        while t < n_tok {
+            let nt = if t + 4 <= n_tok { 4 } else { 1 };
+            let ys = |j: usize| &acts[(t + j) * nb..(t + j + 1) * nb];
+            let tk = |j: usize| &p.toks[(t + j) * nb..(t + j + 1) * nb];
+            let mut v = [[0f32; 4]; 4];
+            match (nr, nt) {
+                (4, 4) => {
+                    v = kpanel_micro::<Q6, 4, 4>(
+                        &p.rows,
+                        [ys(0), ys(1), ys(2), ys(3)],
+                        [tk(0), tk(1), tk(2), tk(3)],
+                    )
+                }
+                (4, _) => {
+                    let o = kpanel_micro::<Q6, 4, 1>(&p.rows, [ys(0)], [tk(0)]);
+                    for k in 0..4 {
+                        v[k][0] = o[k][0];
+                    }
+                }
+                (_, 4) => {
+                    v[0] = kpanel_micro::<Q6, 1, 4>(
+                        &p.rows,
+                        [ys(0), ys(1), ys(2), ys(3)],
+                        [tk(0), tk(1), tk(2), tk(3)],
+                    )[0]
+                }
+                _ => v[0][0] = kpanel_micro::<Q6, 1, 1>(&p.rows, [ys(0)], [tk(0)])[0][0],
+            }
+            for k in 0..nr {
+                for j in 0..nt {
+                    out[(t + j) * out_stride + r + k] = v[k][j];
+                }
+            }
+            t += nt;
+        }
+        r += nr;
+    }
+    K_PANELS.with(|k| k.replace(p));
+}
+
+/// One Q4_K block of a weight row for the panel (what [`dot_q4k_n`] unpacks).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+#[inline]
+fn krow_q4k(xb: &[u8]) -> KRow {
+    let m4 = _mm256_set1_epi8(0x0F);
+    let mut s12 = [0u8; 12];
+    s12.copy_from_slice(&xb[4..16]);
+    let (sc, mn) = scales_mins_k4(&s12);
+    let qs = &xb[16..144];
+    let mut q = [_mm512_setzero_si512(); 4];
+    let mut s = [_mm512_setzero_si512(); 4];
+    for j in 0..4 {
+        let bits = ld_u8(&qs[32 * j..]);
+        let lo = _mm256_and_si256(bits, m4);
+        let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(bits), m4);
+        q[j] = cat(lo, hi);
+        s[j] = scale_pair(i16::from(sc[2 * j]), i16::from(sc[2 * j + 1]));
+    }
+    let mut m8 = [0u8; 16];
+    m8[..8].copy_from_slice(&mn);
+    KRow {
+        q,
+        s,
+        extra: _mm256_castsi128_si256(_mm_cvtepu8_epi16(ld128(&m8))),
+        d: fp16(&xb[0..]),
+        dmin: fp16(&xb[2..]),
+    }
+}
+
+/// One Q6_K block of a weight row for the panel (what [`dot_q6k_n`] unpacks).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+#[inline]
+fn krow_q6k(xb: &[u8]) -> KRow {
+    let spread = spread4();
+    let scales = &xb[192..208];
+    let sc16_256 = _mm256_cvtepi8_epi16(ld128(scales));
+    let sc16 = _mm512_castsi256_si512(sc16_256);
+    let mut q = [_mm512_setzero_si512(); 4];
+    let mut s = [_mm512_setzero_si512(); 4];
+    for n in 0..2 {
+        let u = q6k_unpack(&xb[64 * n..], &xb[128 + 32 * n..]);
+        for h in 0..2 {
+            let base = (8 * n + 4 * h) as i16;
+            let idx = _mm512_add_epi16(_mm512_set1_epi16(base), spread);
+            s[2 * n + h] = _mm512_permutexvar_epi16(idx, sc16);
+            q[2 * n + h] = cat(u[2 * h], u[2 * h + 1]);
+        }
+    }
+    KRow {
+        q,
+        s,
+        extra: sc16_256,
+        d: fp16(&xb[208..]),
+        dmin: 0.0,
+    }
+}
+
+/// `R` rows of a k-quant panel (`rows`, block-major, four rows per block) against `T` tokens:
+/// every (row, token)'s result.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[inline]
+fn kpanel_micro<const Q6: bool, const R: usize, const T: usize>(
+    rows: &[KRow],
+    ys: [&[BlockQ8K]; T],
+    toks: [&[KTok]; T],
+) -> [[f32; T]; R] {
+    let nb = toks[0].len();
+    let mut acc = [[_mm256_setzero_ps(); T]; R];
+    let mut acc_m = [[_mm_setzero_ps(); T]; R];
+    for i in 0..nb {
+        let rb = &rows[4 * i..4 * i + R];
+        let mut sumi = [[_mm512_setzero_si512(); T]; R];
+        for j in 0..4 {
+            for t in 0..T {
+                let y = ld512_i8(&ys[t][i].qs[64 * j..]);
+                for k in 0..R {
+                    let p = _mm512_maddubs_epi16(rb[k].q[j], y);
+                    sumi[k][t] = _mm512_dpwssd_epi32(sumi[k][t], p, rb[k].s[j]);
+                }
+            }
+        }
+        for k in 0..R {
+            for t in 0..T {
+                let tk = &toks[t][i];
+                let d = tk.d * rb[k].d;
+                let v = if Q6 {
+                    let bias = _mm256_slli_epi32::<5>(_mm256_madd_epi16(tk.sums, rb[k].extra));
+                    _mm256_sub_epi32(fold_epi32(sumi[k][t]), bias)
+                } else {
+                    let prod = _mm_madd_epi16(
+                        _mm256_castsi256_si128(rb[k].extra),
+                        _mm256_castsi256_si128(tk.sums),
+                    );
+                    let dmin = -tk.d * rb[k].dmin;
+                    acc_m[k][t] =
+                        _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(prod), acc_m[k][t]);
+                    fold_epi32(sumi[k][t])
+                };
+                acc[k][t] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(v), acc[k][t]);
+            }
+        }
+    }
+    let mut out = [[0f32; T]; R];
+    for k in 0..R {
+        for t in 0..T {
+            out[k][t] = if Q6 {
+                hsum_ps(acc[k][t])
+            } else {
+                hsum_ps(acc[k][t]) + hsum_ps128(acc_m[k][t])
+            };
+        }
+    }
+    out
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn panel_q4k(
+    w: &[u8],
+    row_bytes: usize,
+    acts: &[BlockQ8K],
+    nb: usize,
+    out: &mut [f32],
+    stride: usize,
+) {
+    panel_blocks_kquant::<false>(w, row_bytes, acts, nb, out, stride)
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn panel_q6k(
+    w: &[u8],
+    row_bytes: usize,
+    acts: &[BlockQ8K],
+    nb: usize,
+    out: &mut [f32],
+    stride: usize,
+) {
+    panel_blocks_kquant::<true>(w, row_bytes, acts, nb, out, stride)
 }

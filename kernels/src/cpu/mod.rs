@@ -119,6 +119,7 @@ type Panel<A> = unsafe fn(&[u8], usize, &[A], usize, &mut [f32], usize);
 #[derive(Clone, Copy)]
 enum RowPanel {
     Q8_0(Panel<BlockQ8_0>),
+    Q8K(Panel<BlockQ8K>),
 }
 
 /// Largest GGUF type id plus one: the size of the dispatch table.
@@ -443,7 +444,10 @@ impl CpuKernels {
                     _ => None,
                 };
                 let fr = rows.map(|RowRows::Q8_0(fr)| fr);
-                let fp = panel.map(|RowPanel::Q8_0(fp)| fp);
+                let fp = match panel {
+                    Some(RowPanel::Q8_0(fp)) => Some(fp),
+                    _ => None,
+                };
                 let fast = Fast {
                     dot4: f4,
                     rows: fr,
@@ -468,9 +472,22 @@ impl CpuKernels {
                     Some(RowDot4::Q8K(f4)) => Some(f4),
                     _ => None,
                 };
+                let fp = match panel {
+                    Some(RowPanel::Q8K(fp)) => Some(fp),
+                    _ => None,
+                };
                 let fast = Fast {
                     dot4: f4,
+                    panel: fp,
                     ..Fast::none()
+                };
+                // The panel reads each token's blocks in place (it prepares only their sums),
+                // so its tasks take the most tokens.
+                let geo = match fp {
+                    Some(_) if n_tokens > SMALL_BATCH => {
+                        Geometry::new(n_rows, n_tokens, k_dim, PANEL_TOK_TILE)
+                    }
+                    _ => geo,
                 };
                 run(f, fast, w, row_bytes, a, per_tok, geo, out, tiles)
             }

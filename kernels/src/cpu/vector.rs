@@ -1126,10 +1126,7 @@ mod tests {
         rows.push(special);
         for (isa, f) in sets() {
             for (k, row) in rows.iter().enumerate() {
-                let (mut a, mut b) = (
-                    vec![BlockQ8_0::zeroed(); 16],
-                    vec![BlockQ8_0::zeroed(); 16],
-                );
+                let (mut a, mut b) = (vec![BlockQ8_0::zeroed(); 16], vec![BlockQ8_0::zeroed(); 16]);
                 (f.quantize_q8_0)(row, &mut a);
                 quantize_q8_0(row, &mut b);
                 assert_eq!(
