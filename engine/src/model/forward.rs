@@ -489,9 +489,7 @@ fn head_on<B: Backend>(
         be.gather_rows(&logits, c.n_vocab, &rows, &mut sel)?;
         logits = sel;
     }
-    let mut host = Vec::new();
-    be.download(&logits, &mut host)?;
-    Ok((host, rows))
+    Ok((be.take_host(logits)?, rows))
 }
 
 /// The sliding window of layer `il`, if it has one.

@@ -230,6 +230,13 @@ pub trait Backend: Send + Sync {
     fn upload_ids(&self, ids: &[u32]) -> Result<Self::Ids, RuntimeError>;
     /// The buffer's values on the host (into `out`, resized).
     fn download(&self, buf: &Self::Buf, out: &mut Vec<f32>) -> Result<(), RuntimeError>;
+    /// The buffer's values on the host, taking it: [`Self::download`] into a new vector, or,
+    /// where the buffer already is host memory, the buffer itself (no copy of the logits).
+    fn take_host(&self, buf: Self::Buf) -> Result<Vec<f32>, RuntimeError> {
+        let mut out = Vec::new();
+        self.download(&buf, &mut out)?;
+        Ok(out)
+    }
     /// The indices on the host (into `out`, resized): expert-parallel tensor-parallel ranks
     /// remap routed expert ids with it. A backend without it cannot run expert-parallel ranks.
     fn download_ids(&self, ids: &Self::Ids, out: &mut Vec<u32>) -> Result<(), RuntimeError> {

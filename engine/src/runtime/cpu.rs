@@ -499,6 +499,10 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn take_host(&self, buf: Vec<f32>) -> Result<Vec<f32>, RuntimeError> {
+        Ok(buf)
+    }
+
     fn download_ids(&self, ids: &Vec<u32>, out: &mut Vec<u32>) -> Result<(), RuntimeError> {
         out.clear();
         out.extend_from_slice(ids);

@@ -203,12 +203,13 @@ impl Sampler {
 
     /// Logits with the repetition penalty applied to every distinct token among the last
     /// `repeat_last_n` of `history`.
-    fn penalized(&self, logits: &[f32], history: &[u32]) -> Vec<f32> {
-        let mut out = logits.to_vec();
+    fn penalized<'l>(&self, logits: &'l [f32], history: &[u32]) -> std::borrow::Cow<'l, [f32]> {
         let p = self.cfg.repeat_penalty;
         if p == 1.0 || self.cfg.repeat_last_n == 0 {
-            return out;
+            // No copy of the 262k logits per token when nothing changes them.
+            return std::borrow::Cow::Borrowed(logits);
         }
+        let mut out = logits.to_vec();
         let start = history.len().saturating_sub(self.cfg.repeat_last_n);
         let mut seen = std::collections::HashSet::new();
         for &id in &history[start..] {
@@ -219,23 +220,20 @@ impl Sampler {
                 *l = if *l <= 0.0 { *l * p } else { *l / p };
             }
         }
-        out
+        std::borrow::Cow::Owned(out)
     }
 }
 
 /// Index of the largest logit, lowest index on ties; NaN never wins unless all are NaN (then 0).
 pub fn argmax(logits: &[f32]) -> u32 {
-    let mut best: Option<(usize, f32)> = None;
-    for (i, &l) in logits.iter().enumerate() {
-        if l.is_nan() {
-            continue;
-        }
-        match best {
-            Some((_, b)) if l <= b => {}
-            _ => best = Some((i, l)),
-        }
-    }
-    best.map_or(0, |(i, _)| i as u32)
+    // Two passes the compiler vectorizes (the maximum, then its first position) instead of one
+    // branchy pass: greedy decoding runs this over the whole vocabulary every token.
+    // `f32::max` skips NaN, so the maximum is that of the non-NaN logits (NaN if all are).
+    let max = logits.iter().copied().fold(f32::NAN, f32::max);
+    logits
+        .iter()
+        .position(|&l| l == max)
+        .map_or(0, |i| i as u32)
 }
 
 /// Softmax of `logits / temperature` in f64, candidates sorted by logit descending (the first
@@ -311,6 +309,21 @@ mod tests {
         assert_eq!(s.sample(&[0.5, 3.0, 3.0, 1.0], &[]), 1);
         assert_eq!(s.sample(&[f32::NAN, -1.0, -2.0], &[]), 1);
         assert_eq!(s.sample(&[], &[]), 0);
+        assert_eq!(s.sample(&[f32::NAN, f32::NAN], &[]), 0);
+        assert_eq!(
+            s.sample(&[f32::NEG_INFINITY, f32::NEG_INFINITY, -1e30], &[]),
+            2
+        );
+        assert_eq!(
+            s.sample(&[f32::NEG_INFINITY, f32::NAN, f32::NEG_INFINITY], &[]),
+            0
+        );
+        assert_eq!(s.sample(&[-0.0, 0.0, -0.0], &[]), 0);
+        // A maximum after NaNs, and one on a long vocabulary's last entry.
+        assert_eq!(s.sample(&[f32::NAN, 1.0, f32::NAN, 3.0, 3.0], &[]), 3);
+        let mut long = vec![0.25f32; 262_144];
+        long[262_143] = 0.5;
+        assert_eq!(s.sample(&long, &[]), 262_143);
     }
 
     #[test]
