@@ -458,12 +458,12 @@ const W_REGS: usize = 2;
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 #[inline(never)]
 #[allow(clippy::too_many_arguments)]
-fn panel_blocks_q8_0<const TS: usize, const OFFSET: i8>(
+unsafe fn panel_blocks_q8_0<const TS: usize, const OFFSET: i8>(
     w: &[u8],
     row_bytes: usize,
     acts: &[BlockQ8_0],
     nb: usize,
-    out: &mut [f32],
+    out: *mut f32,
     out_stride: usize,
     unpack: impl Fn(&[u8]) -> (__m256i, f32),
     unpack2u: impl Fn(&[u8]) -> __m512i,
@@ -536,7 +536,9 @@ fn panel_blocks_q8_0<const TS: usize, const OFFSET: i8>(
                         Some((q, dx)) => tail_block(q, dx, &act(t + j)[nb - 1]),
                         None => _mm256_setzero_ps(),
                     };
-                    out[(t + j) * out_stride + r + k] = sums[k][j] + hsum_ps(tail);
+                    // SAFETY: the caller's contract (see `super::Panel`): the output element of
+                    // every (row, token) of the task is writable.
+                    unsafe { *out.add((t + j) * out_stride + r + k) = sums[k][j] + hsum_ps(tail) };
                 }
             }
             t += nt;
@@ -615,66 +617,75 @@ fn reduce_add_4x4(v: &[[__m512; 4]; 4]) -> [[f32; 4]; 4] {
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-fn panel_q8_0(
+unsafe fn panel_q8_0(
     w: &[u8],
     row_bytes: usize,
     acts: &[BlockQ8_0],
     nb: usize,
-    out: &mut [f32],
+    out: *mut f32,
     stride: usize,
 ) {
-    panel_blocks_q8_0::<34, { i8::MIN }>(
-        w,
-        row_bytes,
-        acts,
-        nb,
-        out,
-        stride,
-        |b| q8_0_unpack(b),
-        |b| q8_0_unpack2u(b),
-    )
+    // SAFETY: the caller upholds `super::Panel`'s contract.
+    unsafe {
+        panel_blocks_q8_0::<34, { i8::MIN }>(
+            w,
+            row_bytes,
+            acts,
+            nb,
+            out,
+            stride,
+            |b| q8_0_unpack(b),
+            |b| q8_0_unpack2u(b),
+        )
+    }
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-fn panel_q4_0(
+unsafe fn panel_q4_0(
     w: &[u8],
     row_bytes: usize,
     acts: &[BlockQ8_0],
     nb: usize,
-    out: &mut [f32],
+    out: *mut f32,
     stride: usize,
 ) {
-    panel_blocks_q8_0::<18, 8>(
-        w,
-        row_bytes,
-        acts,
-        nb,
-        out,
-        stride,
-        |b| q4_0_unpack(b),
-        |b| q4_0_unpack2u(b),
-    )
+    // SAFETY: the caller upholds `super::Panel`'s contract.
+    unsafe {
+        panel_blocks_q8_0::<18, 8>(
+            w,
+            row_bytes,
+            acts,
+            nb,
+            out,
+            stride,
+            |b| q4_0_unpack(b),
+            |b| q4_0_unpack2u(b),
+        )
+    }
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-fn panel_q5_0(
+unsafe fn panel_q5_0(
     w: &[u8],
     row_bytes: usize,
     acts: &[BlockQ8_0],
     nb: usize,
-    out: &mut [f32],
+    out: *mut f32,
     stride: usize,
 ) {
-    panel_blocks_q8_0::<22, 16>(
-        w,
-        row_bytes,
-        acts,
-        nb,
-        out,
-        stride,
-        |b| q5_0_unpack(b),
-        |b| q5_0_unpack2u(b),
-    )
+    // SAFETY: the caller upholds `super::Panel`'s contract.
+    unsafe {
+        panel_blocks_q8_0::<22, 16>(
+            w,
+            row_bytes,
+            acts,
+            nb,
+            out,
+            stride,
+            |b| q5_0_unpack(b),
+            |b| q5_0_unpack2u(b),
+        )
+    }
 }
 
 /// The AVX-512 VNNI rows kernel (a task's weight rows × up to eight activation rows, see
@@ -1129,12 +1140,12 @@ std::thread_local! {
 /// kernel.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 #[inline(never)]
-fn panel_blocks_kquant<const Q6: bool>(
+unsafe fn panel_blocks_kquant<const Q6: bool>(
     w: &[u8],
     row_bytes: usize,
     acts: &[BlockQ8K],
     nb: usize,
-    out: &mut [f32],
+    out: *mut f32,
     out_stride: usize,
 ) {
     if nb == 0 || row_bytes == 0 {
@@ -1211,7 +1222,8 @@ fn panel_blocks_kquant<const Q6: bool>(
             }
             for k in 0..nr {
                 for j in 0..nt {
-                    out[(t + j) * out_stride + r + k] = v[k][j];
+                    // SAFETY: as in `panel_blocks_q8_0`.
+                    unsafe { *out.add((t + j) * out_stride + r + k) = v[k][j] };
                 }
             }
             t += nt;
@@ -1337,25 +1349,27 @@ fn kpanel_micro<const Q6: bool, const R: usize, const T: usize>(
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-fn panel_q4k(
+unsafe fn panel_q4k(
     w: &[u8],
     row_bytes: usize,
     acts: &[BlockQ8K],
     nb: usize,
-    out: &mut [f32],
+    out: *mut f32,
     stride: usize,
 ) {
-    panel_blocks_kquant::<false>(w, row_bytes, acts, nb, out, stride)
+    // SAFETY: the caller upholds `super::Panel`'s contract.
+    unsafe { panel_blocks_kquant::<false>(w, row_bytes, acts, nb, out, stride) }
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-fn panel_q6k(
+unsafe fn panel_q6k(
     w: &[u8],
     row_bytes: usize,
     acts: &[BlockQ8K],
     nb: usize,
-    out: &mut [f32],
+    out: *mut f32,
     stride: usize,
 ) {
-    panel_blocks_kquant::<true>(w, row_bytes, acts, nb, out, stride)
+    // SAFETY: the caller upholds `super::Panel`'s contract.
+    unsafe { panel_blocks_kquant::<true>(w, row_bytes, acts, nb, out, stride) }
 }

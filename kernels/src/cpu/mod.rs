@@ -107,13 +107,16 @@ enum RowRows {
 /// A prefill task: consecutive weight rows of `row_bytes` each (`w`) against every activation
 /// row in `acts` (`nb` blocks each). Each weight row is unpacked once for all the task's tokens
 /// and each activation row prepared once for all its weight rows. Output `(row r, token t)` goes
-/// to `out[t * stride + r]`. Every output is bit-identical to the [`Dot`] of the same type on
-/// that (row, token).
+/// to `*out.add(t * stride + r)`, straight into the product's output (the tasks of a product
+/// write disjoint blocks of it). Every output is bit-identical to the [`Dot`] of the same type
+/// on that (row, token).
 ///
 /// # Safety
 /// As [`Dot`], for each of the weight rows and each activation row; `w` holds whole rows and
-/// `acts` whole activation rows of `nb` blocks, the blocks of one weight row.
-type Panel<A> = unsafe fn(&[u8], usize, &[A], usize, &mut [f32], usize);
+/// `acts` whole activation rows of `nb` blocks, the blocks of one weight row; `out.add(t *
+/// stride + r)` is valid for writes, and written by no one else during the call, for every row
+/// `r` and token `t` of the task.
+type Panel<A> = unsafe fn(&[u8], usize, &[A], usize, *mut f32, usize);
 
 /// A panel kernel (prefill), by the activation type it reads.
 #[derive(Clone, Copy)]
@@ -711,6 +714,22 @@ impl Geometry {
     }
 }
 
+/// The output of a product, shared by its panel tasks, which write disjoint elements of it.
+#[derive(Clone, Copy)]
+struct SendPtr(*mut f32);
+
+// SAFETY: the pointer is only written through by tasks whose elements are disjoint (see `run`).
+unsafe impl Send for SendPtr {}
+// SAFETY: as above.
+unsafe impl Sync for SendPtr {}
+
+impl SendPtr {
+    /// The element `i` places on (a method, so that closures capture the whole `SendPtr`).
+    fn at(self, i: usize) -> *mut f32 {
+        self.0.wrapping_add(i)
+    }
+}
+
 /// Run `dot` over every (row, token) pair of the product, in parallel tiles.
 ///
 /// # Safety contract (upheld by the callers in this module)
@@ -752,9 +771,36 @@ fn run<A: Sync>(
             });
         return;
     }
+    let n_tasks = g.n_tok_tiles * g.n_row_tiles;
+    if let Some(panel) = panel.filter(|_| g.n_tokens > SMALL_BATCH) {
+        // Each task writes its block of `out` in place: no tile buffers to zero and copy.
+        let out_ptr = SendPtr(out.as_mut_ptr());
+        (0..n_tasks).into_par_iter().for_each(|task| {
+            let (ti, ri) = (task / g.n_row_tiles, task % g.n_row_tiles);
+            let (r0, t0) = (ri * g.row_tile, ti * g.tok_tile);
+            let r1 = (r0 + g.row_tile).min(g.n_rows);
+            let t1 = (t0 + g.tok_tile).min(g.n_tokens);
+            let ws = &w[r0 * row_bytes..r1 * row_bytes];
+            let ys = &acts[t0 * per_tok..t1 * per_tok];
+            // SAFETY: see the contract above; `ws` is whole weight rows and `ys` whole
+            // activation rows, `select_vnni` checked the CPU has VNNI, and the task writes only
+            // the elements (t, r) of `out` (`n_tokens × n_rows`, checked by the caller) with t in
+            // [t0, t1) and r in [r0, r1), which no other task writes.
+            unsafe {
+                panel(
+                    ws,
+                    row_bytes,
+                    ys,
+                    per_tok,
+                    out_ptr.at(t0 * g.n_rows + r0),
+                    g.n_rows,
+                )
+            };
+        });
+        return;
+    }
     // Each task fills its own `tok_tile × row_tile` tile; the tiles are then copied into `out`.
     let chunk = g.tok_tile * g.row_tile;
-    let n_tasks = g.n_tok_tiles * g.n_row_tiles;
     tiles.clear();
     tiles.resize(n_tasks * chunk, 0.0);
     tiles
@@ -765,14 +811,6 @@ fn run<A: Sync>(
             let (r0, t0) = (ri * g.row_tile, ti * g.tok_tile);
             let r1 = (r0 + g.row_tile).min(g.n_rows);
             let t1 = (t0 + g.tok_tile).min(g.n_tokens);
-            if let Some(panel) = panel.filter(|_| g.n_tokens > SMALL_BATCH) {
-                let ws = &w[r0 * row_bytes..r1 * row_bytes];
-                let ys = &acts[t0 * per_tok..t1 * per_tok];
-                // SAFETY: see the contract above; `ws` is whole weight rows and `ys` whole
-                // activation rows, and `select_vnni` checked the CPU has VNNI.
-                unsafe { panel(ws, row_bytes, ys, per_tok, buf, g.row_tile) };
-                return;
-            }
             // A small batch (a verify, a few sequences) goes through the Rows kernel, if there
             // is one, which streams the weights once per eight tokens, row after row; otherwise
             // tokens go through the four-row and one-row kernels.
