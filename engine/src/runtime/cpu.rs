@@ -65,6 +65,12 @@ impl CpuBackend {
 /// ggml's RMSNorm of one row: the mean of squares summed in f64, then `x · 1/√(mean + eps)`,
 /// then times the weight (a separate multiply in ggml, kept as a separate rounding here).
 #[inline]
+/// Rows of `width` elements per task when a row-wise op is split over the pool: at least
+/// about 16k elements, so that a decode step's few rows stay on the calling thread.
+fn rows_per_task(width: usize) -> usize {
+    ((1 << 14) / width.max(1)).max(1)
+}
+
 fn rms_norm_row(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     let sum: f64 = x.iter().map(|&v| f64::from(v) * f64::from(v)).sum();
     let mean = (sum / x.len() as f64) as f32;
@@ -657,9 +663,17 @@ impl Backend for CpuBackend {
             n,
             x.len(),
         )?;
-        for (xr, or) in x.chunks_exact(n).zip(out.chunks_exact_mut(n)) {
-            rms_norm_row(xr, weight, eps, or);
+        if n == 0 {
+            return Ok(());
         }
+        // Rows split over the pool (a prefill's norms were a serial section at two threads);
+        // each row's arithmetic is unchanged.
+        self.pool.install(|| {
+            x.par_chunks_exact(n)
+                .zip(out.par_chunks_exact_mut(n))
+                .with_min_len(rows_per_task(n))
+                .for_each(|(xr, or)| rms_norm_row(xr, weight, eps, or))
+        });
         Ok(())
     }
 
@@ -675,11 +689,20 @@ impl Backend for CpuBackend {
             n,
             x.len(),
         )?;
-        let mut row = vec![0f32; n];
-        for xr in x.chunks_exact_mut(n) {
-            row.copy_from_slice(xr);
-            rms_norm_row(&row, weight, eps, xr);
+        if n == 0 {
+            return Ok(());
         }
+        self.pool.install(|| {
+            x.par_chunks_exact_mut(n)
+                .with_min_len(rows_per_task(n))
+                .for_each_init(
+                    || vec![0f32; n],
+                    |row, xr| {
+                        row.copy_from_slice(xr);
+                        rms_norm_row(row, weight, eps, xr);
+                    },
+                )
+        });
         Ok(())
     }
 
@@ -702,13 +725,21 @@ impl Backend for CpuBackend {
         if x.is_empty() {
             return Ok(());
         }
-        let mut cache = Vec::with_capacity(rope.n_rot / 2);
-        for (&pos, row) in positions.iter().zip(x.chunks_exact_mut(n_heads * head_dim)) {
-            rope_cache(pos as usize, rope, &mut cache);
-            for head in row.chunks_exact_mut(head_dim) {
-                rope_head(&mut head[..rope.n_rot], &cache, rope.style);
-            }
-        }
+        let width = n_heads * head_dim;
+        self.pool.install(|| {
+            x.par_chunks_exact_mut(width)
+                .zip(positions.par_iter())
+                .with_min_len(rows_per_task(width))
+                .for_each_init(
+                    || Vec::with_capacity(rope.n_rot / 2),
+                    |cache, (row, &pos)| {
+                        rope_cache(pos as usize, rope, cache);
+                        for head in row.chunks_exact_mut(head_dim) {
+                            rope_head(&mut head[..rope.n_rot], cache, rope.style);
+                        }
+                    },
+                )
+        });
         Ok(())
     }
 
