@@ -25,6 +25,15 @@
 //! "AVX2 kernel" means the AVX-512 backend runs the 256-bit kernel (same results); "scalar" means
 //! the backend runs the scalar twin for that type. Every SIMD kernel has its scalar twin in
 //! [`scalar`], which is the test oracle and the fallback.
+//!
+//! How a product is cut depends on its token count. One token (decode) and small batches (up to
+//! 16 tokens: a speculative verify, a few sequences) stream each weight row once per
+//! eight tokens (`Rows`, Q4_0/Q5_0/Q8_0 with AVX-512 VNNI). Prefill cuts the product into tasks
+//! of up to 64 rows × 64 tokens; with AVX-512 VNNI a task is one `Panel` call (Q4_0/Q5_0/Q8_0,
+//! Q4_K/Q6_K): every weight row of the task unpacked once, every token's activations prepared
+//! once, then a 4 × 4 register micro-kernel writing straight into the output. Elsewhere, tasks
+//! run the four-token (`Dot4`) and one-token (`Dot`) kernels. Every path gives the one-token
+//! kernel's bits for each (row, token), so prefill equals decode token by token.
 
 mod act;
 #[cfg(target_arch = "x86_64")]
