@@ -18,14 +18,14 @@ use harness::tap::Tap;
 use harness::throughput::{self, Baseline, Baselines};
 use harness::tolerance::{Numerics, TolerancePolicy};
 use kernels::cpu::Isa;
-use reference::{Precision, ReferenceModel};
+use reference::{Footprint, Precision, ReferenceModel, Residency};
 
 use super::isolate::Isolating;
 
 /// The fixed English text every case is teacher-forced on (public domain, golden/data/README.md).
-const TEXT: &str = include_str!("../../../golden/data/pride_and_prejudice_ch1.txt");
+pub const TEXT: &str = include_str!("../../../golden/data/pride_and_prejudice_ch1.txt");
 /// Greedy continuation prompt for the coherence gates.
-const PROMPT: &str = "The capital of France is";
+pub const PROMPT: &str = "The capital of France is";
 
 /// How much work a case does; the real model gets more tokens than the tiny fixtures need.
 #[derive(Clone, Copy)]
@@ -81,6 +81,16 @@ pub struct ReferenceRun {
     pub bos: Option<Option<u32>>,
     /// The `golden` gate: the reference's summary against its pinned snapshot.
     pub golden: GateResult,
+    /// The model's f32 size, whole and per layer, as the reference counts it.
+    pub footprint: Footprint,
+}
+
+impl ReferenceRun {
+    /// Bytes of reference output this run holds (taps of both precisions, logits, greedy rows).
+    pub fn held_bytes(&self) -> usize {
+        let taps = |t: &[Tap]| t.iter().map(|t| t.data.len()).sum::<usize>();
+        4 * (taps(&self.taps) + taps(&self.exact_taps) + self.logits.len() + self.greedy_rows.len())
+    }
 }
 
 /// Reference runs by model file, computed on first use.
@@ -88,9 +98,15 @@ pub struct ReferenceRun {
 pub struct ReferenceCache(HashMap<PathBuf, ReferenceRun>);
 
 impl ReferenceCache {
+    /// Use `run` for `path` (computed beforehand, e.g. in a phase of its own).
+    pub fn insert(&mut self, path: &Path, run: ReferenceRun) {
+        self.0.insert(path.to_owned(), run);
+    }
+
     pub fn get(&mut self, path: &Path, budget: Budget, real: bool) -> Result<&ReferenceRun> {
         if !self.0.contains_key(path) {
-            let run = reference_run(path, budget, real)?;
+            let mut run = reference_run(path, budget, Residency::Eager)?;
+            run.golden = golden_gate(path, real)?;
             self.0.insert(path.to_owned(), run);
         }
         self.0
@@ -116,7 +132,7 @@ pub(super) fn argmax(row: &[f32]) -> u32 {
 /// The `golden` gate: the reference's summary of this model now against the snapshot pinned in
 /// `golden/tests/snapshots/` (a reference that drifted is a failure of its own, whatever the engine
 /// does). A model without a snapshot is "not judged".
-fn golden_gate(path: &Path, real: bool) -> Result<GateResult> {
+pub fn golden_gate(path: &Path, real: bool) -> Result<GateResult> {
     let stem = path
         .file_stem()
         .map(|s| s.to_string_lossy().into_owned())
@@ -168,10 +184,13 @@ fn golden_gate(path: &Path, real: bool) -> Result<GateResult> {
     ))
 }
 
-fn reference_run(path: &Path, budget: Budget, real: bool) -> Result<ReferenceRun> {
-    let golden = golden_gate(path, real)?;
-    let model = ReferenceModel::load(path, Precision::F32)
+/// The reference's side of a case: both tokenizations, the teacher-forced forward pass in f32 and
+/// in exact numerics, and the greedy continuation, with the weights held as `residency` says.
+/// The `golden` gate is left "not judged" for the caller to fill in ([`golden_gate`]).
+pub fn reference_run(path: &Path, budget: Budget, residency: Residency) -> Result<ReferenceRun> {
+    let model = ReferenceModel::open(path, Precision::F32, residency)
         .with_context(|| format!("loading {} in the reference", path.display()))?;
+    let footprint = model.footprint().clone();
     let n_vocab = model.vocab_size();
     // The reference's own tokenizer (reference/src/tokenizer.rs), sharing nothing with the
     // engine's: the `tokens` gate compares the two.
@@ -207,7 +226,7 @@ fn reference_run(path: &Path, budget: Budget, real: bool) -> Result<ReferenceRun
     drop(model);
     // The exact-numerics reference on the same tokens (loaded after the f32 one is dropped, so
     // that one copy of the dequantized weights is in memory at a time).
-    let exact = ReferenceModel::load(path, Precision::Exact)
+    let exact = ReferenceModel::open(path, Precision::Exact, residency)
         .with_context(|| format!("loading {} in the exact-numerics reference", path.display()))?;
     let mut exact_taps = Vec::new();
     exact
@@ -226,7 +245,8 @@ fn reference_run(path: &Path, budget: Budget, real: bool) -> Result<ReferenceRun
         greedy_rows,
         prompt,
         bos,
-        golden,
+        golden: GateResult::not_judged("golden", 0.0, "not computed".to_owned()),
+        footprint,
     })
 }
 
@@ -241,7 +261,10 @@ pub fn isa_of(backend: Backend) -> Option<Isa> {
 
 pub struct CaseEnv<'a> {
     pub path: &'a Path,
+    /// A real model (not a fixture's random weights): judged for degeneracy, and benched.
     pub real: bool,
+    /// How many tokens the case feeds ([`Budget::for_model`] unless `verify --model` says).
+    pub budget: Budget,
     pub threads: usize,
     pub policy: &'a TolerancePolicy,
     pub baselines: &'a Baselines,
@@ -288,7 +311,7 @@ pub fn run(
         Some(e) => e,
         None => &engine,
     };
-    let budget = Budget::for_model(env.real);
+    let budget = env.budget;
     let ref_path = split.as_ref().map_or(env.path, |s| s.merged.as_path());
     let reference = refs.get(ref_path, budget, env.real)?;
     let n_vocab = reference.n_vocab;

@@ -17,7 +17,6 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{anyhow, bail, Context, Result};
-use engine::gguf::{split_path, Gguf, GgufWriter, MetadataValue};
 use engine::model::Model;
 use engine::runtime::{Batch, CpuBackend, Engine, KvCache, Logits, Session};
 use engine::taps::TapObserver;
@@ -84,48 +83,8 @@ fn split_order(model: &str) -> Option<&str> {
 
 /// Write `single` as a split set by layer under `dir`; the shard paths in shard order.
 fn write_by_layer(single: &Path, dir: &Path) -> Result<Vec<PathBuf>> {
-    let g = Gguf::open(single).with_context(|| format!("opening {}", single.display()))?;
-    let layer_of = |name: &str| -> Option<usize> {
-        name.strip_prefix("blk.")?.split_once('.')?.0.parse().ok()
-    };
-    let n_layers = g
-        .tensors()
-        .iter()
-        .filter_map(|t| layer_of(&t.name))
-        .max()
-        .map_or(0, |l| l + 1);
-    let count = u16::try_from(n_layers + 1).context("too many layers for a split set")?;
-    let total = i32::try_from(g.tensors().len()).context("too many tensors")?;
-    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    let prefix = dir.join("model");
-    let mut paths = Vec::new();
-    for no in 0..count {
-        let mut w = GgufWriter::new();
-        w.add_metadata("split.no", MetadataValue::U16(no));
-        w.add_metadata("split.count", MetadataValue::U16(count));
-        w.add_metadata("split.tensors.count", MetadataValue::I32(total));
-        if no == 0 {
-            for (k, v) in g.metadata() {
-                if !k.starts_with("split.") {
-                    w.add_metadata(k, v.clone());
-                }
-            }
-        }
-        let want = if no == 0 {
-            None
-        } else {
-            Some(usize::from(no) - 1)
-        };
-        for t in g.tensors().iter().filter(|t| layer_of(&t.name) == want) {
-            w.add_tensor(&t.name, t.ggml_type, &t.dims, g.tensor_data(t).to_vec())
-                .with_context(|| format!("adding {}", t.name))?;
-        }
-        let p = split_path(&prefix, no, count);
-        w.write(&p)
-            .with_context(|| format!("writing {}", p.display()))?;
-        paths.push(p);
-    }
-    Ok(paths)
+    golden::split::write_by_layer(single, &dir.join("model"))
+        .with_context(|| format!("writing {} as a split set", single.display()))
 }
 
 /// For a split-set case, write the set (engine writer), list it in the case's order and merge it
