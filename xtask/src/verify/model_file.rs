@@ -75,15 +75,29 @@ fn inspect(path: &Path) -> Result<FileInfo> {
             path.display()
         );
     }
-    let mut by_type: std::collections::BTreeMap<&'static str, u64> = Default::default();
-    for t in g.tensors().iter().filter(|t| t.dims.len() >= 2) {
-        *by_type.entry(t.ggml_type.name()).or_default() += t.n_elements();
-    }
-    let weights = by_type
-        .iter()
-        .max_by_key(|(_, n)| **n)
-        .map(|(ty, _)| ty.to_ascii_lowercase())
-        .with_context(|| format!("--model {}: no matrix tensors", path.display()))?;
+    let weights = match g.get_u32_opt("general.file_type") {
+        Ok(Some(ft)) => file_type_name(ft),
+        _ => None,
+    };
+    let weights = match weights {
+        Some(w) => w.to_owned(),
+        None => {
+            // No (known) file type: the type of most layer-matrix elements.
+            let mut by_type: std::collections::BTreeMap<&'static str, u64> = Default::default();
+            for t in g
+                .tensors()
+                .iter()
+                .filter(|t| t.dims.len() >= 2 && t.name.starts_with("blk."))
+            {
+                *by_type.entry(t.ggml_type.name()).or_default() += t.n_elements();
+            }
+            by_type
+                .iter()
+                .max_by_key(|(_, n)| **n)
+                .map(|(ty, _)| ty.to_ascii_lowercase())
+                .with_context(|| format!("--model {}: no layer matrices", path.display()))?
+        }
+    };
     let stem = path
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
@@ -112,6 +126,33 @@ fn inspect(path: &Path) -> Result<FileInfo> {
         name: name.replace('/', "_"),
         weights,
         fixture,
+    })
+}
+
+/// llama.cpp's name of a `general.file_type` (`llama_ftype`, include/llama.h), lower case.
+fn file_type_name(ft: u32) -> Option<&'static str> {
+    Some(match ft {
+        0 => "f32",
+        1 => "f16",
+        2 => "q4_0",
+        3 => "q4_1",
+        7 => "q8_0",
+        8 => "q5_0",
+        9 => "q5_1",
+        10 => "q2_k",
+        11 => "q3_k_s",
+        12 => "q3_k_m",
+        13 => "q3_k_l",
+        14 => "q4_k_s",
+        15 => "q4_k_m",
+        16 => "q5_k_s",
+        17 => "q5_k_m",
+        18 => "q6_k",
+        25 => "iq4_nl",
+        30 => "iq4_xs",
+        32 => "bf16",
+        38 => "mxfp4",
+        _ => return None,
     })
 }
 
@@ -235,7 +276,14 @@ fn memory_figures(
 
 /// The closing line on stdout: the reference's peak against the model's f32 sizes.
 fn memory_line(reference: &PhasePeak, f: &reference::Footprint, held: usize) -> String {
-    let mib = |b: f64| format!("{:.0} MiB", b / MIB);
+    let mib = |b: f64| {
+        let m = b / MIB;
+        if m < 10.0 {
+            format!("{m:.2} MiB")
+        } else {
+            format!("{m:.0} MiB")
+        }
+    };
     let layer = f
         .largest_layer
         .map(|(i, b)| format!(", largest layer (blk.{i}) {}", mib(b as f64)))
@@ -266,4 +314,153 @@ fn memory_line(reference: &PhasePeak, f: &reference::Footprint, held: usize) -> 
         mib(f.total_f32_bytes as f64),
         f.n_files,
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+
+    use engine::gguf::{GgufWriter, MetadataValue};
+    use harness::report::Verdict;
+    use kernels::quant::GgmlType;
+
+    use super::*;
+
+    fn args(model: &Path, out: &Path) -> Args {
+        Args {
+            filter: Vec::new(),
+            only: Vec::new(),
+            exclude: Vec::new(),
+            faults: false,
+            fault: Vec::new(),
+            json: true,
+            update_baselines: false,
+            no_bench: true,
+            threads: Some(1),
+            out: out.to_path_buf(),
+            model: Some(model.to_path_buf()),
+            // The fixtures' fixed text is short; 24 tokens keep the case quick.
+            tokens: Some(24),
+        }
+    }
+
+    fn figure(report: &Report, name: &str) -> f64 {
+        report.cases[0]
+            .figures
+            .iter()
+            .find(|f| f.name == name)
+            .unwrap_or_else(|| panic!("no figure {name}"))
+            .value
+    }
+
+    /// The fixture `name` written under `dir`.
+    fn fixture(name: &str, dir: &Path) -> PathBuf {
+        let spec = golden::fixtures::by_name(name).expect("fixture");
+        golden::fixtures::write(&spec, dir).expect("write fixture")
+    }
+
+    fn error_of(model: &Path) -> String {
+        let out = tempfile::tempdir().expect("temp dir");
+        match verify(&args(model, out.path()), model) {
+            Ok(r) => panic!("expected an error, found {}", r.summary()),
+            Err(e) => format!("{e:#}"),
+        }
+    }
+
+    #[test]
+    fn a_fixture_passes_with_its_memory_reported() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = fixture("gemma3-q4_k_m", dir.path());
+        let report = verify(&args(&path, &dir.path().join("out")), &path).expect("verify");
+        let case = &report.cases[0];
+        assert_eq!(case.verdict, Verdict::Passed, "{}", case.headline());
+        assert!(
+            case.case.starts_with("gemma3-q4_k_m/q4_k/cpu-"),
+            "{}",
+            case.case
+        );
+        // every gate of the matrix's case ran: tokens, bos, golden (the fixture's snapshot),
+        // the logit gates, greedy; a fixture is not judged for degeneracy
+        let gates: Vec<&str> = case.gates.iter().map(|g| g.gate).collect();
+        for g in ["tokens", "golden", "kld_mean", "same_top1"] {
+            assert!(gates.contains(&g), "{g} missing from {gates:?}");
+        }
+        let golden = case
+            .gates
+            .iter()
+            .find(|g| g.gate == "golden")
+            .expect("golden");
+        assert!(golden.judged && golden.passed, "{}", golden.detail);
+        // the figures: the model's f32 size from the engine's directory, independently
+        let g = Gguf::open(&path).expect("engine opens the fixture");
+        let total: u64 = g.tensors().iter().map(|t| t.n_elements() * 4).sum();
+        assert!((figure(&report, "model_f32") - total as f64 / MIB).abs() < 1e-9);
+        assert!(figure(&report, "largest_layer_f32") < figure(&report, "model_f32"));
+        assert!(figure(&report, "ref_peak_rss") >= figure(&report, "ref_rss_before"));
+        assert_eq!(figure(&report, "model_files"), 1.0);
+        // the normal reports
+        for f in ["report.json", "report.md", "junit.xml"] {
+            assert!(dir.path().join("out").join(f).is_file(), "{f}");
+        }
+    }
+
+    #[test]
+    fn a_split_set_is_verified_from_any_shard() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let single = fixture("llama-q8_0", dir.path());
+        let shards = golden::split::write_by_layer(&single, &dir.path().join("set").join("m"))
+            .expect("split set");
+        let report =
+            verify(&args(&shards[1], &dir.path().join("out")), &shards[1]).expect("verify");
+        let case = &report.cases[0];
+        assert_eq!(case.verdict, Verdict::Passed, "{}", case.headline());
+        assert!(case.case.starts_with("m/q8_0/"), "{}", case.case);
+        assert_eq!(figure(&report, "model_files"), shards.len() as f64);
+    }
+
+    #[test]
+    fn a_missing_file_is_named() {
+        let e = error_of(Path::new("/no/such/model.gguf"));
+        assert!(e.contains("/no/such/model.gguf: no such file"), "{e}");
+    }
+
+    #[test]
+    fn a_file_that_is_not_gguf_is_refused() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("notes.gguf");
+        std::fs::write(&path, b"hello, this is text").expect("write");
+        let e = error_of(&path);
+        assert!(
+            e.contains("not a GGUF file") && e.contains("\"hell\""),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn an_unsupported_architecture_is_named() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("mamba.gguf");
+        let mut w = GgufWriter::new();
+        w.add_metadata(
+            "general.architecture",
+            MetadataValue::String("mamba".into()),
+        );
+        w.add_tensor("blk.0.ssm_in.weight", GgmlType::F32, &[4, 4], vec![0; 64])
+            .expect("tensor");
+        w.write(&path).expect("write");
+        let e = error_of(&path);
+        assert!(e.contains("architecture `mamba` is not supported"), "{e}");
+    }
+
+    #[test]
+    fn a_missing_shard_is_named() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let single = fixture("llama-q8_0", dir.path());
+        let shards = golden::split::write_by_layer(&single, &dir.path().join("set").join("m"))
+            .expect("split set");
+        std::fs::remove_file(&shards[2]).expect("remove a shard");
+        let e = error_of(&shards[0]);
+        let missing = shards[2].display().to_string();
+        assert!(e.contains(&missing), "{e}");
+    }
 }

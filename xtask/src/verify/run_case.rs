@@ -69,7 +69,6 @@ pub struct ReferenceRun {
     pub taps: Vec<Tap>,
     /// The exact-numerics reference's taps on the same tokens (reference::Precision::Exact).
     pub exact_taps: Vec<Tap>,
-    pub logits: Vec<f32>,
     pub n_vocab: usize,
     pub greedy: Vec<u32>,
     /// The reference's logits at each greedy step (`n_greedy × n_vocab`).
@@ -86,10 +85,19 @@ pub struct ReferenceRun {
 }
 
 impl ReferenceRun {
-    /// Bytes of reference output this run holds (taps of both precisions, logits, greedy rows).
+    /// Bytes of reference output this run holds (taps of both precisions, greedy rows).
     pub fn held_bytes(&self) -> usize {
         let taps = |t: &[Tap]| t.iter().map(|t| t.data.len()).sum::<usize>();
-        4 * (taps(&self.taps) + taps(&self.exact_taps) + self.logits.len() + self.greedy_rows.len())
+        4 * (taps(&self.taps) + taps(&self.exact_taps) + self.greedy_rows.len())
+    }
+
+    /// The f32 reference's logits, `[tokens × n_vocab]`: its `logits` tap (kept once).
+    pub fn logits(&self) -> &[f32] {
+        self.taps
+            .iter()
+            .rev()
+            .find(|t| t.name == "logits")
+            .map_or(&[], |t| t.data.as_slice())
     }
 }
 
@@ -200,11 +208,18 @@ pub fn reference_run(path: &Path, budget: Budget, residency: Residency) -> Resul
         .context("reference: tokenizing the fixed text")?;
     let tokens = truncate_text(&text_ids, budget.n_text)?;
     let mut taps = Vec::new();
-    let logits = model
+    // The returned logits are the `logits` tap's values; only the tap is kept.
+    let logits_len = model
         .forward(&tokens, &mut |name, shape, data| {
             taps.push(Tap::new(name, shape.to_vec(), data.to_vec()))
         })
-        .context("reference forward pass")?;
+        .context("reference forward pass")?
+        .len();
+    anyhow::ensure!(
+        taps.iter()
+            .any(|t| t.name == "logits" && t.data.len() == logits_len),
+        "the reference emitted no `logits` tap of {logits_len} values"
+    );
     // Greedy continuation without a KV cache: one full forward per new token (slow, obvious).
     let prompt = tok
         .encode(PROMPT, true, false)
@@ -239,7 +254,6 @@ pub fn reference_run(path: &Path, budget: Budget, residency: Residency) -> Resul
         tokens,
         taps,
         exact_taps,
-        logits,
         n_vocab,
         greedy,
         greedy_rows,
@@ -381,7 +395,7 @@ pub fn run(
     // Logit agreement over the text: position t predicts token t+1.
     let n_pos = reference.tokens.len() - 1;
     let stats = coherence::logit_agreement(
-        &reference.logits[..n_pos * n_vocab],
+        &reference.logits()[..n_pos * n_vocab],
         &logits.data[..n_pos * n_vocab],
         n_vocab,
         &reference.tokens[1..],
@@ -394,7 +408,7 @@ pub fn run(
         .find(|t| t.name == "logits")
         .map(|t| {
             coherence::logit_agreement(
-                &reference.logits[..n_pos * n_vocab],
+                &reference.logits()[..n_pos * n_vocab],
                 &t.data[..n_pos * n_vocab],
                 n_vocab,
                 &reference.tokens[1..],
