@@ -22,7 +22,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 
-use super::{Layers, Loader, Streamer, Vocab};
+use super::{Experts, Layers, Loader, Streamer, Vocab};
 use crate::error::ReferenceError;
 use crate::ops::{
     attention, causal_mask, gated_ffn, linear, rms_norm, tap, Activation, Result, Rope, RopeLayout,
@@ -48,9 +48,9 @@ enum KvUp {
 struct Moe {
     router: Weight,
     probs_bias: Option<Tensor>,
-    gate: Weight,
-    up: Weight,
-    down: Weight,
+    gate: Experts,
+    up: Experts,
+    down: Experts,
     shared: Option<(Weight, Weight, Weight)>,
 }
 
@@ -81,6 +81,8 @@ enum Gating {
 }
 
 pub(crate) struct Deepseek2 {
+    /// The streaming model's file (routed experts are read one by one from it).
+    src: Option<Arc<Streamer>>,
     n_embd: usize,
     q_lora_rank: usize,
     n_dense_lead: usize,
@@ -171,6 +173,7 @@ impl Deepseek2 {
         let vocab = Vocab::load(ld, n_embd, src)?;
         let output_norm = ld.resident("output_norm.weight", &[n_embd])?;
         let mut m = Self {
+            src: src.cloned(),
             n_embd,
             q_lora_rank,
             n_dense_lead,
@@ -206,6 +209,7 @@ impl Deepseek2 {
         let (n_dense_lead, n_ff, n_shared, n_ff_exp) =
             (self.n_dense_lead, self.n_ff, self.n_shared, self.n_ff_exp);
         let n_expert = self.n_expert;
+        let src = self.src.as_ref();
         let b = |s: &str| format!("blk.{i}.{s}.weight");
         let q = if q_lora_rank == 0 {
             Query::Direct(ld.weight(&b("attn_q"), &[n_head * key_length, n_embd])?)
@@ -244,9 +248,9 @@ impl Deepseek2 {
             Ffn::Moe(Moe {
                 router: ld.weight(&b("ffn_gate_inp"), &[n_expert, n_embd])?,
                 probs_bias: ld.optional(&format!("blk.{i}.exp_probs_b.bias"), &[n_expert])?,
-                gate: ld.weight(&b("ffn_gate_exps"), &[n_expert, n_ff_exp, n_embd])?,
-                up: ld.weight(&b("ffn_up_exps"), &[n_expert, n_ff_exp, n_embd])?,
-                down: ld.weight(&b("ffn_down_exps"), &[n_expert, n_embd, n_ff_exp])?,
+                gate: Experts::load(ld, &b("ffn_gate_exps"), &[n_expert, n_ff_exp, n_embd], src)?,
+                up: Experts::load(ld, &b("ffn_up_exps"), &[n_expert, n_ff_exp, n_embd], src)?,
+                down: Experts::load(ld, &b("ffn_down_exps"), &[n_expert, n_embd, n_ff_exp], src)?,
                 shared,
             })
         };

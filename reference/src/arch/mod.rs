@@ -161,12 +161,20 @@ impl Loader<'_> {
     /// A matrix-product weight; in exact-numerics mode it carries its type's activation rounding.
     pub fn weight(&mut self, name: &str, shape: &[usize]) -> Result<Weight> {
         let w = self.tensor(name, shape)?;
-        let act = if self.exact {
+        Ok(Weight {
+            w,
+            act: self.act_quant(name),
+        })
+    }
+
+    /// How a product with weight `name` rounds its activations ([`ActQuant::None`] unless in
+    /// exact-numerics mode).
+    pub fn act_quant(&self, name: &str) -> ActQuant {
+        if self.exact {
             self.file.act_quant(name).unwrap_or(ActQuant::None)
         } else {
             ActQuant::None
-        };
-        Ok(Weight { w, act })
+        }
     }
 
     /// A tensor that may be absent.
@@ -238,6 +246,64 @@ impl Loader<'_> {
             ));
         }
         Ok(())
+    }
+}
+
+/// The routed experts of one layer, a `[n_expert, rows, cols]` tensor. Eager: dequantized with
+/// the layer. Streaming: only the experts some token was routed to are read, one at a time when
+/// the MoE block gets to them, so a layer of hundreds of experts never sits whole in memory.
+pub(crate) enum Experts {
+    Loaded(Weight),
+    Streamed {
+        name: String,
+        shape: Vec<usize>,
+        act: ActQuant,
+        src: Arc<Streamer>,
+    },
+}
+
+impl Experts {
+    /// Expert tensor `name` of `shape`: read now (eager, `src` is `None`), or checked now and
+    /// read expert by expert by [`Experts::get`].
+    pub fn load(
+        ld: &mut Loader<'_>,
+        name: &str,
+        shape: &[usize],
+        src: Option<&Arc<Streamer>>,
+    ) -> Result<Experts> {
+        match src {
+            None => Ok(Experts::Loaded(ld.weight(name, shape)?)),
+            Some(src) => {
+                ld.file.check(name, shape)?;
+                Ok(Experts::Streamed {
+                    name: name.to_string(),
+                    shape: shape.to_vec(),
+                    act: ld.act_quant(name),
+                    src: Arc::clone(src),
+                })
+            }
+        }
+    }
+
+    /// Expert `e`'s `[rows, cols]` matrix: the same values and layout either way.
+    pub fn get(&self, e: usize) -> Result<Weight> {
+        match self {
+            Experts::Loaded(w) => w.get(e),
+            Experts::Streamed {
+                name,
+                shape,
+                act,
+                src,
+            } => {
+                let w = src.with(false, |ld| {
+                    Ok(ld.file.tensor_outer(name, shape, e..e + 1, ld.dtype)?)
+                })?;
+                Ok(Weight {
+                    w: w.get(0)?,
+                    act: *act,
+                })
+            }
+        }
     }
 }
 
