@@ -60,7 +60,7 @@ enum Ffn {
         up: Weight,
         down: Weight,
     },
-    Moe(Moe),
+    Moe(Box<Moe>),
 }
 
 struct Layer {
@@ -245,14 +245,14 @@ impl Deepseek2 {
             } else {
                 None
             };
-            Ffn::Moe(Moe {
+            Ffn::Moe(Box::new(Moe {
                 router: ld.weight(&b("ffn_gate_inp"), &[n_expert, n_embd])?,
                 probs_bias: ld.optional(&format!("blk.{i}.exp_probs_b.bias"), &[n_expert])?,
                 gate: Experts::load(ld, &b("ffn_gate_exps"), &[n_expert, n_ff_exp, n_embd], src)?,
                 up: Experts::load(ld, &b("ffn_up_exps"), &[n_expert, n_ff_exp, n_embd], src)?,
                 down: Experts::load(ld, &b("ffn_down_exps"), &[n_expert, n_embd, n_ff_exp], src)?,
                 shared,
-            })
+            }))
         };
         Ok(Layer {
             attn_norm: ld.tensor(&b("attn_norm"), &[n_embd])?,

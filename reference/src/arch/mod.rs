@@ -296,7 +296,7 @@ impl Experts {
                 src,
             } => {
                 let w = src.with(false, |ld| {
-                    Ok(ld.file.tensor_outer(name, shape, e..e + 1, ld.dtype)?)
+                    ld.file.tensor_outer(name, shape, e..e + 1, ld.dtype)
                 })?;
                 Ok(Weight {
                     w: w.get(0)?,
@@ -399,7 +399,7 @@ impl Vocab {
             (Rows::Streamed { name, act }, Some(src)) => {
                 let shape = [self.n_vocab, self.n_embd];
                 let w = src.with(false, |ld| {
-                    Ok(ld.file.tensor_outer(name, &shape, range, ld.dtype)?)
+                    ld.file.tensor_outer(name, &shape, range, ld.dtype)
                 })?;
                 Ok(Weight { w, act: *act })
             }
