@@ -196,10 +196,11 @@ impl Gemma3 {
         }
         let x = rms_norm(&x, &self.output_norm, self.eps)?;
         tap(taps, "output_norm", &x)?;
-        let mut logits = self.vocab.logits(&x)?;
-        if let Some(cap) = self.softcap {
-            logits = ((logits / cap)?.tanh()? * cap)?;
-        }
+        // soft-capping is elementwise: applied to each chunk of head rows as it is computed
+        let logits = self.vocab.logits_with(&x, |l| match self.softcap {
+            Some(cap) => Ok(((l / cap)?.tanh()? * cap)?),
+            None => Ok(l),
+        })?;
         tap(taps, "logits", &logits)?;
         Ok(logits)
     }

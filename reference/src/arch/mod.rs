@@ -432,6 +432,16 @@ impl Vocab {
     /// `x · headᵀ` for `x: [n, n_embd]`, one chunk of head rows per product, `x` rounded once as
     /// the head's dot product reads it.
     pub fn logits(&self, x: &Tensor) -> Result<Tensor> {
+        self.logits_with(x, Ok)
+    }
+
+    /// [`Vocab::logits`] with an elementwise `post` (soft-capping) applied to each chunk, so that
+    /// its temporaries are one chunk's size, not the whole `[n, n_vocab]`.
+    pub fn logits_with(
+        &self,
+        x: &Tensor,
+        post: impl Fn(Tensor) -> Result<Tensor>,
+    ) -> Result<Tensor> {
         let head = self.head.as_ref().unwrap_or(&self.embd);
         let act = match head {
             Rows::Loaded(w) => w.act,
@@ -443,7 +453,7 @@ impl Vocab {
         while start < self.n_vocab {
             let end = (start + self.chunk_rows).min(self.n_vocab);
             let w = self.rows(head, start..end)?;
-            parts.push(xa.matmul(&w.w.t()?)?);
+            parts.push(post(xa.matmul(&w.w.t()?)?)?);
             start = end;
         }
         Ok(Tensor::cat(&parts, 1)?)
