@@ -253,6 +253,11 @@ impl GgufFile {
         dtype: DType,
     ) -> Result<Tensor, ReferenceError> {
         let (shard, start, size, dims) = self.locate(name, expected, rows.clone())?;
+        if size == 0 {
+            // Nothing to read (and candle's reader cannot take an empty buffer: it casts the
+            // byte vector's dangling pointer to f32).
+            return Ok(Tensor::zeros(dims.as_slice(), dtype, &Device::Cpu)?);
+        }
         let data_err = |message: String| ReferenceError::TensorData {
             name: name.to_string(),
             message,
@@ -740,5 +745,154 @@ impl GgufFile {
                 found: format!("{:?}", v.value_type()),
             }),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A GGUF v3 file with one F32 tensor `t` of `ne = [cols, rows]` holding `0, 1, 2, …`,
+    /// and `extra` metadata `(key, type id, value bytes)`; `cut` bytes removed from the end.
+    fn file(rows: u64, cols: u64, extra: &[(&str, u32, &[u8])], cut: usize) -> Vec<u8> {
+        let mut b = Vec::new();
+        let s = |b: &mut Vec<u8>, x: &str| {
+            b.extend((x.len() as u64).to_le_bytes());
+            b.extend(x.as_bytes());
+        };
+        b.extend(b"GGUF");
+        b.extend(3u32.to_le_bytes());
+        b.extend(1u64.to_le_bytes());
+        b.extend((extra.len() as u64).to_le_bytes());
+        for (k, ty, v) in extra {
+            s(&mut b, k);
+            b.extend(ty.to_le_bytes());
+            b.extend(*v);
+        }
+        s(&mut b, "t");
+        b.extend(2u32.to_le_bytes());
+        b.extend(cols.to_le_bytes());
+        b.extend(rows.to_le_bytes());
+        b.extend(0u32.to_le_bytes()); // F32
+        b.extend(0u64.to_le_bytes());
+        while b.len() % 32 != 0 {
+            b.push(0);
+        }
+        for i in 0..rows * cols {
+            b.extend((i as f32).to_le_bytes());
+        }
+        b.truncate(b.len() - cut);
+        b
+    }
+
+    fn open(bytes: &[u8]) -> (tempfile_dir::Dir, Result<GgufFile, ReferenceError>) {
+        let dir = tempfile_dir::Dir::new();
+        let path = dir.0.join("m.gguf");
+        std::fs::write(&path, bytes).expect("write");
+        let f = GgufFile::open(&path);
+        (dir, f)
+    }
+
+    /// A directory removed on drop (the reference has no tempfile dependency).
+    mod tempfile_dir {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        pub struct Dir(pub std::path::PathBuf);
+        impl Dir {
+            pub fn new() -> Dir {
+                static N: AtomicUsize = AtomicUsize::new(0);
+                let p = std::env::temp_dir().join(format!(
+                    "reference-gguf-{}-{}",
+                    std::process::id(),
+                    N.fetch_add(1, Ordering::Relaxed)
+                ));
+                std::fs::create_dir_all(&p).expect("temp dir");
+                Dir(p)
+            }
+        }
+        impl Drop for Dir {
+            fn drop(&mut self) {
+                let _ = std::fs::remove_dir_all(&self.0);
+            }
+        }
+    }
+
+    #[test]
+    fn row_ranges_are_the_rows_of_the_whole_tensor() {
+        let (_d, f) = open(&file(5, 3, &[], 0));
+        let mut f = f.expect("open");
+        let whole = f.tensor("t", &[5, 3], DType::F32).expect("whole");
+        for (a, b) in [(0, 5), (0, 1), (2, 4), (4, 5), (3, 3)] {
+            let part = f
+                .tensor_outer("t", &[5, 3], a..b, DType::F32)
+                .expect("rows");
+            assert_eq!(part.dims(), &[b - a, 3]);
+            let want = whole.narrow(0, a, b - a).expect("narrow");
+            assert_eq!(
+                part.flatten_all()
+                    .and_then(|t| t.to_vec1::<f32>())
+                    .expect("part"),
+                want.flatten_all()
+                    .and_then(|t| t.to_vec1::<f32>())
+                    .expect("want"),
+            );
+        }
+        match f.tensor_outer("t", &[5, 3], 4..6, DType::F32) {
+            Err(ReferenceError::TensorData { name, message }) => {
+                assert_eq!(name, "t");
+                assert!(message.contains("rows 4..6"), "{message}");
+            }
+            other => panic!("expected TensorData, found {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_truncated_tensor_is_refused_by_check_before_any_read() {
+        let (_d, f) = open(&file(5, 3, &[], 4));
+        let f = f.expect("the header reads");
+        match f.check("t", &[5, 3]) {
+            Err(ReferenceError::TensorData { name, message }) => {
+                assert_eq!(name, "t");
+                assert!(message.contains("needs bytes"), "{message}");
+            }
+            other => panic!("expected TensorData, found {other:?}"),
+        }
+        assert!(matches!(
+            f.check("t", &[3, 5]),
+            Err(ReferenceError::TensorShape { .. })
+        ));
+        assert!(matches!(
+            f.check("u", &[5, 3]),
+            Err(ReferenceError::MissingTensor { .. })
+        ));
+    }
+
+    #[test]
+    fn shard_names_follow_gguf_split() {
+        let p = Path::new("/m/Kimi-K2-Q4_K_M-00002-of-00013.gguf");
+        let (prefix, count) = parse_shard_name(p).expect("a shard name");
+        assert_eq!(prefix, Path::new("/m/Kimi-K2-Q4_K_M"));
+        assert_eq!(count, 13);
+        assert_eq!(
+            shard_path(&prefix, 13, 13),
+            Path::new("/m/Kimi-K2-Q4_K_M-00013-of-00013.gguf")
+        );
+        for not in ["/m/a.gguf", "/m/a-2-of-3.gguf", "/m/a-00002-of-00013.bin"] {
+            assert_eq!(parse_shard_name(Path::new(not)), None, "{not}");
+        }
+    }
+
+    #[test]
+    fn a_shard_whose_name_hides_its_set_is_refused() {
+        // split.count 2 (a u16, type 2) on a file named m.gguf: its other shard cannot be found
+        let (_d, f) = open(&file(1, 3, &[("split.count", 2, &2u16.to_le_bytes())], 0));
+        match f {
+            Err(ReferenceError::Gguf { message, .. }) => {
+                assert!(message.contains("split.count is 2"), "{message}")
+            }
+            other => panic!("expected Gguf, found {:?}", other.map(|_| ())),
+        }
+        // split.count 1 is a file of its own
+        let (_d, f) = open(&file(1, 3, &[("split.count", 2, &1u16.to_le_bytes())], 0));
+        assert_eq!(f.expect("a set of one").n_files(), 1);
     }
 }
