@@ -308,6 +308,15 @@ impl ReferenceModel {
         self
     }
 
+    /// Number of layers (`blk.{i}`).
+    pub fn n_layers(&self) -> usize {
+        match &self.arch {
+            Arch::Llama(m) => m.n_layers(),
+            Arch::Gemma3(m) => m.n_layers(),
+            Arch::Deepseek2(m) => m.n_layers(),
+        }
+    }
+
     /// Rows of the output head (the width of the `logits` tap).
     pub fn vocab_size(&self) -> usize {
         match &self.arch {

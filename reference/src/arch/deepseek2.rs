@@ -274,6 +274,10 @@ impl Deepseek2 {
         self.vocab.n_vocab()
     }
 
+    pub fn n_layers(&self) -> usize {
+        self.layers.len()
+    }
+
     pub fn forward(&self, tokens: &[u32], taps: Taps<'_>) -> Result<Tensor> {
         let n = tokens.len();
         let (h, nope, rd, vd) = (self.n_head, self.nope, self.rope_dim, self.v_dim);

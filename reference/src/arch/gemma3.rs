@@ -152,6 +152,10 @@ impl Gemma3 {
         self.vocab.n_vocab()
     }
 
+    pub fn n_layers(&self) -> usize {
+        self.layers.len()
+    }
+
     pub fn forward(&self, tokens: &[u32], taps: Taps<'_>) -> Result<Tensor> {
         let n = tokens.len();
         let mut x = (self.vocab.embed(tokens)? * (self.n_embd as f64).sqrt())?;

@@ -198,6 +198,11 @@ pub fn golden_gate(path: &Path, real: bool) -> Result<GateResult> {
 pub fn reference_run(path: &Path, budget: Budget, residency: Residency) -> Result<ReferenceRun> {
     let model = ReferenceModel::open(path, Precision::F32, residency)
         .with_context(|| format!("loading {} in the reference", path.display()))?;
+    // A streaming pass over a large model takes minutes: say where it is (stderr).
+    let progress = Progress {
+        on: residency == Residency::Streaming,
+        n_layers: model.n_layers(),
+    };
     let footprint = model.footprint().clone();
     let n_vocab = model.vocab_size();
     // The reference's own tokenizer (reference/src/tokenizer.rs), sharing nothing with the
@@ -211,6 +216,7 @@ pub fn reference_run(path: &Path, budget: Budget, residency: Residency) -> Resul
     // The returned logits are the `logits` tap's values; only the tap is kept.
     let logits_len = model
         .forward(&tokens, &mut |name, shape, data| {
+            progress.tap("f32 pass", name);
             taps.push(Tap::new(name, shape.to_vec(), data.to_vec()))
         })
         .context("reference forward pass")?
@@ -227,9 +233,10 @@ pub fn reference_run(path: &Path, budget: Budget, residency: Residency) -> Resul
     let mut seq = prompt.clone();
     let mut greedy = Vec::new();
     let mut greedy_rows = Vec::new();
-    for _ in 0..budget.n_greedy {
+    for step in 0..budget.n_greedy {
+        let pass = format!("greedy step {}/{}", step + 1, budget.n_greedy);
         let logits = model
-            .forward(&seq, &mut |_, _, _| {})
+            .forward(&seq, &mut |name, _, _| progress.tap(&pass, name))
             .context("reference greedy step")?;
         let row = &logits[logits.len() - n_vocab..];
         let next = argmax(row);
@@ -246,6 +253,7 @@ pub fn reference_run(path: &Path, budget: Budget, residency: Residency) -> Resul
     let mut exact_taps = Vec::new();
     exact
         .forward(&tokens, &mut |name, shape, data| {
+            progress.tap("exact-numerics pass", name);
             exact_taps.push(Tap::new(name, shape.to_vec(), data.to_vec()))
         })
         .context("exact-numerics reference forward pass")?;
@@ -262,6 +270,41 @@ pub fn reference_run(path: &Path, budget: Budget, residency: Residency) -> Resul
         golden: GateResult::not_judged("golden", 0.0, "not computed".to_owned()),
         footprint,
     })
+}
+
+/// Progress of the reference's passes on stderr: one line per pass, rewritten at each layer
+/// when stderr is a terminal.
+struct Progress {
+    on: bool,
+    n_layers: usize,
+}
+
+impl Progress {
+    fn tap(&self, pass: &str, name: &str) {
+        use std::io::IsTerminal;
+        if !self.on {
+            return;
+        }
+        if !std::io::stderr().is_terminal() {
+            if name == "logits" {
+                eprintln!("      reference {pass}: done");
+            }
+            return;
+        }
+        let layer = name
+            .strip_prefix("blk.")
+            .and_then(|r| r.strip_suffix(".out"))
+            .and_then(|i| i.parse::<usize>().ok());
+        if let Some(i) = layer {
+            eprint!(
+                "\r      reference {pass}: layer {}/{}",
+                i + 1,
+                self.n_layers
+            );
+        } else if name == "logits" {
+            eprintln!("\r      reference {pass}: done{:20}", "");
+        }
+    }
 }
 
 pub fn isa_of(backend: Backend) -> Option<Isa> {
