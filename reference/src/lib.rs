@@ -29,7 +29,6 @@ mod error;
 mod gguf;
 pub mod numerics;
 mod ops;
-pub mod split;
 pub mod tokenizer;
 
 use std::path::{Path, PathBuf};
@@ -263,19 +262,6 @@ impl ReferenceModel {
             });
         }
         Ok(model)
-    }
-
-    /// Load a split set from its shard files listed in any order: [`split::merge`] writes one
-    /// plain file (`merged`, removed afterwards), which [`ReferenceModel::load`] reads.
-    pub fn load_listed(
-        paths: &[std::path::PathBuf],
-        merged: &Path,
-        precision: Precision,
-    ) -> Result<Self, ReferenceError> {
-        split::merge(paths, merged)?;
-        let model = Self::load(merged, precision);
-        let _ = std::fs::remove_file(merged);
-        model
     }
 
     /// `general.architecture`: `llama`, `gemma3` or `deepseek2`.

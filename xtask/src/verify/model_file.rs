@@ -205,7 +205,11 @@ pub fn verify(args: &Args, path: &Path) -> Result<Report> {
     // The reference's phase, on its own: nothing of the engine is loaded yet.
     eprintln!("      reference (streaming, {} tokens)…", budget.n_text);
     let phase = Phase::begin()?;
-    let mut run = run_case::reference_run(path, budget, Residency::Streaming)?;
+    let mut run = run_case::reference_run(
+        run_case::RefSource::File(path),
+        budget,
+        Residency::Streaming,
+    )?;
     let ref_mem = phase.end()?;
     run.golden = golden_for(path, &info)?;
     let footprint = run.footprint.clone();

@@ -101,6 +101,51 @@ impl ReferenceRun {
     }
 }
 
+/// Where the reference reads a model from.
+#[derive(Clone, Copy)]
+pub enum RefSource<'a> {
+    /// A file (a shard of a split set opens the whole set beside it).
+    File(&'a Path),
+    /// A split set's shards in a listing order (placed by `split.no`, read in place), and the
+    /// single file it was written from (whose golden snapshot judges the reference).
+    Listed {
+        shards: &'a [PathBuf],
+        single: &'a Path,
+    },
+}
+
+impl RefSource<'_> {
+    /// The cache key: the file, or the first shard as listed.
+    fn key(&self) -> &Path {
+        match self {
+            RefSource::File(p) => p,
+            RefSource::Listed { shards, single } => shards.first().map_or(*single, |p| p.as_path()),
+        }
+    }
+
+    fn golden_path(&self) -> &Path {
+        match self {
+            RefSource::File(p) => p,
+            RefSource::Listed { single, .. } => single,
+        }
+    }
+
+    fn open(&self, precision: Precision, residency: Residency) -> Result<ReferenceModel> {
+        match self {
+            RefSource::File(p) => ReferenceModel::open(p, precision, residency)
+                .with_context(|| format!("loading {} in the reference", p.display())),
+            RefSource::Listed { shards, .. } => {
+                ReferenceModel::open_listed(shards, precision, residency).with_context(|| {
+                    format!(
+                        "loading the split set {} in the reference",
+                        self.key().display()
+                    )
+                })
+            }
+        }
+    }
+}
+
 /// Reference runs by model file, computed on first use.
 #[derive(Default)]
 pub struct ReferenceCache(HashMap<PathBuf, ReferenceRun>);
@@ -111,10 +156,11 @@ impl ReferenceCache {
         self.0.insert(path.to_owned(), run);
     }
 
-    pub fn get(&mut self, path: &Path, budget: Budget, real: bool) -> Result<&ReferenceRun> {
+    pub fn get(&mut self, src: RefSource<'_>, budget: Budget, real: bool) -> Result<&ReferenceRun> {
+        let path = src.key();
         if !self.0.contains_key(path) {
-            let mut run = reference_run(path, budget, Residency::Eager)?;
-            run.golden = golden_gate(path, real)?;
+            let mut run = reference_run(src, budget, Residency::Eager)?;
+            run.golden = golden_gate(src.golden_path(), real)?;
             self.0.insert(path.to_owned(), run);
         }
         self.0
@@ -195,9 +241,12 @@ pub fn golden_gate(path: &Path, real: bool) -> Result<GateResult> {
 /// The reference's side of a case: both tokenizations, the teacher-forced forward pass in f32 and
 /// in exact numerics, and the greedy continuation, with the weights held as `residency` says.
 /// The `golden` gate is left "not judged" for the caller to fill in ([`golden_gate`]).
-pub fn reference_run(path: &Path, budget: Budget, residency: Residency) -> Result<ReferenceRun> {
-    let model = ReferenceModel::open(path, Precision::F32, residency)
-        .with_context(|| format!("loading {} in the reference", path.display()))?;
+pub fn reference_run(
+    src: RefSource<'_>,
+    budget: Budget,
+    residency: Residency,
+) -> Result<ReferenceRun> {
+    let model = src.open(Precision::F32, residency)?;
     // A streaming pass over a large model takes minutes: say where it is (stderr).
     let progress = Progress {
         on: residency == Residency::Streaming,
@@ -248,8 +297,9 @@ pub fn reference_run(path: &Path, budget: Budget, residency: Residency) -> Resul
     drop(model);
     // The exact-numerics reference on the same tokens (loaded after the f32 one is dropped, so
     // that one copy of the dequantized weights is in memory at a time).
-    let exact = ReferenceModel::open(path, Precision::Exact, residency)
-        .with_context(|| format!("loading {} in the exact-numerics reference", path.display()))?;
+    let exact = src
+        .open(Precision::Exact, residency)
+        .context("the exact-numerics reference")?;
     let mut exact_taps = Vec::new();
     exact
         .forward(&tokens, &mut |name, shape, data| {
@@ -369,8 +419,14 @@ pub fn run(
         None => &engine,
     };
     let budget = env.budget;
-    let ref_path = split.as_ref().map_or(env.path, |s| s.merged.as_path());
-    let reference = refs.get(ref_path, budget, env.real)?;
+    let ref_src = match &split {
+        Some(s) => RefSource::Listed {
+            shards: &s.listing,
+            single: &s.single,
+        },
+        None => RefSource::File(env.path),
+    };
+    let reference = refs.get(ref_src, budget, env.real)?;
     let n_vocab = reference.n_vocab;
 
     // Each side tokenizes with its own tokenizer; the `tokens` gate requires the same ids.

@@ -10,8 +10,9 @@
 //! - **Split-set cases** (`MODEL@split-ORDER/…`): the model is written as a split set with the
 //!   engine's GGUF writer (shard 0: metadata and the global tensors; shard k: layer k−1) and
 //!   listed to the engine in ORDER (`021`: shards 0, 2, 1; `rev`: reversed), which must place
-//!   the shards by `split.no`. The reference reads the same listing through its own plain merge
-//!   (`reference::split`). A gate requires the logits to equal the single file's bit for bit.
+//!   the shards by `split.no`. The reference reads the same listing in place with its own reader
+//!   (`ReferenceModel::open_listed`), which places them by `split.no` too. A gate requires the
+//!   logits to equal the single file's bit for bit.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -68,10 +69,9 @@ pub fn extend(cases: &mut Vec<Case>, models: &mut Models, machine: &mut MachineC
     add_split((REAL_MODEL, REAL_WEIGHTS), "rev", cases);
 }
 
-/// A split-set case's files: the shards as listed to the engine, and the reference's merge.
+/// A split-set case's files: the shards as listed to the engine (and to the reference).
 pub struct SplitSource {
     pub listing: Vec<PathBuf>,
-    pub merged: PathBuf,
     /// The single file the set was written from.
     pub single: PathBuf,
 }
@@ -87,8 +87,8 @@ fn write_by_layer(single: &Path, dir: &Path) -> Result<Vec<PathBuf>> {
         .with_context(|| format!("writing {} as a split set", single.display()))
 }
 
-/// For a split-set case, write the set (engine writer), list it in the case's order and merge it
-/// for the reference (its own merge); `None` for any other case.
+/// For a split-set case, write the set (engine writer) and list it in the case's order; `None`
+/// for any other case.
 pub fn split_source(case: &Case, single: &Path) -> Result<Option<SplitSource>> {
     let Some(order) = split_order(&case.model) else {
         return Ok(None);
@@ -116,12 +116,8 @@ pub fn split_source(case: &Case, single: &Path) -> Result<Option<SplitSource>> {
         }
         idx.iter().map(|&i| shards[i].clone()).collect()
     };
-    let merged = dir.join("reference-merged.gguf");
-    reference::split::merge(&listing, &merged)
-        .with_context(|| format!("reference merge of {}", dir.display()))?;
     Ok(Some(SplitSource {
         listing,
-        merged,
         single: single.to_path_buf(),
     }))
 }
