@@ -205,12 +205,23 @@ pub fn verify(args: &Args, path: &Path) -> Result<Report> {
     // The reference's phase, on its own: nothing of the engine is loaded yet.
     eprintln!("      reference (streaming, {} tokens)…", budget.n_text);
     let phase = Phase::begin()?;
-    let mut run = run_case::reference_run(
+    let run = run_case::reference_run(
         run_case::RefSource::File(path),
         budget,
         Residency::Streaming,
-    )?;
+    );
     let ref_mem = phase.end()?;
+    let mut run = match run {
+        Ok(run) => run,
+        // A file the engine reads but the reference refuses (a RoPE scaling it does not
+        // implement, a weight type it cannot dequantize) is a judged case that errored.
+        Err(e) => {
+            let mut report = Report::default();
+            report.push(CaseResult::error(&name, &format!("{e:#}")));
+            super::publish(args, &report, started)?;
+            return Ok(report);
+        }
+    };
     run.golden = golden_for(path, &info)?;
     let footprint = run.footprint.clone();
     let held = run.held_bytes();
