@@ -6,6 +6,7 @@
 //!   reviewed decision, never an accident.
 //! - [`vocab`]: the fixtures' SentencePiece-style tokenizer section and the standard
 //!   teacher-forced test sequence ([`vocab::sample_tokens`]).
+//! - [`split`]: a fixture (or any file) written as a split set by layer.
 //! - [`rng`]: the only randomness, splitmix64 seeded per tensor.
 //! - [`snapshot`]: golden summaries (taps, greedy continuation, top-5) of the reference on each
 //!   fixture and the real model, pinned by `tests/golden_snapshots.rs` and reviewed with
@@ -24,6 +25,7 @@
 pub mod fixtures;
 pub mod rng;
 pub mod snapshot;
+pub mod split;
 pub mod vocab;
 
 pub use fixtures::{all, by_name, write, Arch, FixtureError, FixtureSpec};

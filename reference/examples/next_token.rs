@@ -1,17 +1,19 @@
 //! Print the reference's top next tokens after a sequence of vocabulary pieces.
 //!
-//! `cargo run -p reference --release --example next_token -- MODEL.gguf [--f64] PIECE...`
+//! `cargo run -p reference --release --example next_token -- MODEL.gguf [--f64] [--streaming] PIECE...`
 //! (pieces spelled as in the vocabulary, e.g. `<bos> The ▁capital ▁of ▁France ▁is`).
+//! `--streaming` reads each layer when the forward pass reaches it ([`Residency::Streaming`]):
+//! run it under `/usr/bin/time -v` beside the default to see the two residencies' peak memory.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use reference::{Precision, ReferenceModel};
+use reference::{Precision, ReferenceModel, Residency};
 
 fn main() -> ExitCode {
     let mut args: Vec<String> = std::env::args().skip(1).collect();
     if args.is_empty() {
-        eprintln!("usage: next_token MODEL.gguf [--f64] PIECE...");
+        eprintln!("usage: next_token MODEL.gguf [--f64] [--streaming] PIECE...");
         return ExitCode::FAILURE;
     }
     let path = PathBuf::from(args.remove(0));
@@ -21,7 +23,13 @@ fn main() -> ExitCode {
     } else {
         Precision::F32
     };
-    let model = match ReferenceModel::load(&path, precision) {
+    let residency = if args.first().is_some_and(|a| a == "--streaming") {
+        args.remove(0);
+        Residency::Streaming
+    } else {
+        Residency::Eager
+    };
+    let model = match ReferenceModel::open(&path, precision, residency) {
         Ok(m) => m,
         Err(e) => {
             eprintln!("{}: {e}", path.display());

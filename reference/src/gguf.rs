@@ -31,66 +31,166 @@ enum Entry {
     },
 }
 
-/// An open GGUF file: metadata, tensor directory, and a reader for tensor data.
-pub(crate) struct GgufFile {
+impl Entry {
+    fn dims(&self) -> &[usize] {
+        match self {
+            Entry::Candle(info) => info.shape.dims(),
+            Entry::Extra { dims, .. } => dims,
+        }
+    }
+
+    /// Offset of the tensor's data from the start of its file's data section.
+    fn offset(&self) -> u64 {
+        match self {
+            Entry::Candle(info) => info.offset,
+            Entry::Extra { offset, .. } => *offset,
+        }
+    }
+
+    /// `(values per block, bytes per block)` of the tensor's type.
+    fn block(&self) -> (usize, usize) {
+        match self {
+            Entry::Candle(info) => (info.ggml_dtype.block_size(), info.ggml_dtype.type_size()),
+            Entry::Extra { kind, .. } => (kind.block_size(), kind.type_size()),
+        }
+    }
+}
+
+/// One file of the model (the only one, or one shard of a split set) and its reader.
+struct ShardFile {
     path: PathBuf,
     reader: BufReader<File>,
     file_size: u64,
-    metadata: HashMap<String, Value>,
-    tensors: HashMap<String, Entry>,
     data_offset: u64,
 }
 
+/// A tensor of the directory: which shard holds it, and where.
+struct Located {
+    shard: usize,
+    entry: Entry,
+}
+
+/// An open GGUF model: metadata, tensor directory, and a reader for tensor data of each of its
+/// files. A split set (`PREFIX-NNNNN-of-NNNNN.gguf`) is read in place, shard by shard: the
+/// metadata is shard 0's (the one whose `split.no` is 0), each tensor is read from the shard that
+/// holds it.
+pub(crate) struct GgufFile {
+    shards: Vec<ShardFile>,
+    metadata: HashMap<String, Value>,
+    tensors: HashMap<String, Located>,
+}
+
+/// One file's header: metadata, tensor directory, data section offset.
+type FileHeader = (HashMap<String, Value>, HashMap<String, Entry>, u64);
+
 impl GgufFile {
+    /// Open `path`. A shard of a split set (a file whose `split.count` is above 1) opens the whole
+    /// set from the same directory, found by the `-NNNNN-of-NNNNN.gguf` naming convention.
     pub fn open(path: &Path) -> Result<Self, ReferenceError> {
-        let io = |source| ReferenceError::Io {
+        let (shard, header) = read_one(path)?;
+        let count = split_key(&header.0, path, "split.count")?;
+        if count.is_none_or(|c| c <= 1) {
+            return Self::assemble(vec![(shard, header)]);
+        }
+        let count = count.unwrap_or(1);
+        let (prefix, _) = parse_shard_name(path).ok_or_else(|| ReferenceError::Gguf {
             path: path.to_path_buf(),
-            source,
-        };
-        let file = File::open(path).map_err(io)?;
-        let file_size = file.metadata().map_err(io)?.len();
-        let mut reader = BufReader::new(file);
-        let (metadata, tensors, data_offset) = match Content::read(&mut reader) {
-            Ok(content) => {
-                let tensors = content
-                    .tensor_infos
-                    .into_iter()
-                    .map(|(name, info)| {
-                        // candle parses these two but its tensor loader refuses them
-                        let extra = match info.ggml_dtype {
-                            GgmlDType::Q8_1 => Some(ExtraType::Q8_1),
-                            GgmlDType::Q8K => Some(ExtraType::Q8K),
-                            _ => None,
-                        };
-                        let entry = match extra {
-                            Some(kind) => Entry::Extra {
-                                kind,
-                                dims: info.shape.dims().to_vec(),
-                                offset: info.offset,
-                            },
-                            None => Entry::Candle(info),
-                        };
-                        (name, entry)
-                    })
-                    .collect();
-                (content.metadata, tensors, content.tensor_data_offset)
-            }
-            Err(candle_err) => {
-                reader.seek(SeekFrom::Start(0)).map_err(io)?;
-                fallback_header(&mut reader, file_size).map_err(|message| ReferenceError::Gguf {
-                    path: path.to_path_buf(),
-                    message: format!("{message} (candle-core's reader said: {candle_err})"),
+            message: format!(
+                "split.count is {count}, but the file name does not end in -NNNNN-of-{count:05}.gguf, \
+                 so its other shards cannot be found"
+            ),
+        })?;
+        let paths: Vec<PathBuf> = (1..=count)
+            .map(|no| shard_path(&prefix, no, count))
+            .collect();
+        if let Some(missing) = paths.iter().find(|p| !p.exists()) {
+            return Err(ReferenceError::Gguf {
+                path: path.to_path_buf(),
+                message: format!(
+                    "a shard of the split set is missing: {} does not exist (split.count {count})",
+                    missing.display()
+                ),
+            });
+        }
+        let mut files = vec![(shard, header)];
+        for p in paths.iter().filter(|p| p.as_path() != path) {
+            files.push(read_one(p)?);
+        }
+        Self::assemble(files)
+    }
+
+    /// Open a split set from its shard files listed in any order; each is placed by its own
+    /// `split.no`, never by its place in the list.
+    pub fn open_listed(paths: &[PathBuf]) -> Result<Self, ReferenceError> {
+        let files = paths
+            .iter()
+            .map(|p| read_one(p))
+            .collect::<Result<Vec<_>, _>>()?;
+        Self::assemble(files)
+    }
+
+    /// Put the files in `split.no` order, check the set is whole, and merge the directories.
+    fn assemble(files: Vec<(ShardFile, FileHeader)>) -> Result<Self, ReferenceError> {
+        let n = files.len() as u64;
+        let mut numbered = Vec::with_capacity(files.len());
+        for (shard, header) in files {
+            let no = if n == 1 {
+                split_key(&header.0, &shard.path, "split.no")?.unwrap_or(0)
+            } else {
+                split_key(&header.0, &shard.path, "split.no")?.ok_or_else(|| {
+                    ReferenceError::Gguf {
+                        path: shard.path.clone(),
+                        message: "a shard of a split set has no `split.no`".to_string(),
+                    }
                 })?
+            };
+            let count = split_key(&header.0, &shard.path, "split.count")?.unwrap_or(1);
+            if count != n {
+                return Err(ReferenceError::Gguf {
+                    path: shard.path.clone(),
+                    message: format!("split.count is {count}, but the set has {n} files"),
+                });
             }
-        };
+            numbered.push((no, shard, header));
+        }
+        numbered.sort_by_key(|(no, _, _)| *no);
+        let mut shards = Vec::with_capacity(numbered.len());
+        let mut metadata = HashMap::new();
+        let mut tensors: HashMap<String, Located> = HashMap::new();
+        for (i, (no, shard, (md, entries, _))) in numbered.into_iter().enumerate() {
+            if no != i as u64 {
+                return Err(ReferenceError::Gguf {
+                    path: shard.path.clone(),
+                    message: format!(
+                        "expected shard {i} of {n} (split.no {i}), found split.no {no}: a shard is \
+                         missing or listed twice"
+                    ),
+                });
+            }
+            if i == 0 {
+                metadata = md;
+            }
+            for (name, entry) in entries {
+                if tensors.contains_key(&name) {
+                    return Err(ReferenceError::Gguf {
+                        path: shard.path.clone(),
+                        message: format!("tensor `{name}` is in more than one shard"),
+                    });
+                }
+                tensors.insert(name, Located { shard: i, entry });
+            }
+            shards.push(shard);
+        }
         Ok(Self {
-            path: path.to_path_buf(),
-            reader,
-            file_size,
+            shards,
             metadata,
             tensors,
-            data_offset,
         })
+    }
+
+    /// Number of files the model is read from (1, or the shards of a split set).
+    pub fn n_files(&self) -> usize {
+        self.shards.len()
     }
 
     pub fn metadata(&self, key: &str) -> Option<&Value> {
@@ -101,18 +201,23 @@ impl GgufFile {
         self.tensors.contains_key(name)
     }
 
+    /// Every tensor's name and element count.
+    pub fn tensor_sizes(&self) -> impl Iterator<Item = (&str, u64)> {
+        self.tensors.iter().map(|(name, t)| {
+            let elems = t.entry.dims().iter().map(|&d| d as u64).product();
+            (name.as_str(), elems)
+        })
+    }
+
     /// Shape of a tensor, outermost dimension first (the reverse of GGUF's `ne` order).
     pub fn tensor_shape(&self, name: &str) -> Option<Vec<usize>> {
-        self.tensors.get(name).map(|entry| match entry {
-            Entry::Candle(info) => info.shape.dims().to_vec(),
-            Entry::Extra { dims, .. } => dims.clone(),
-        })
+        self.tensors.get(name).map(|t| t.entry.dims().to_vec())
     }
 
     /// How a matrix product with tensor `name` reads its activations (ggml's `vec_dot_type` of
     /// the tensor's type); `None` when there is no such tensor.
     pub fn act_quant(&self, name: &str) -> Option<ActQuant> {
-        self.tensors.get(name).map(|entry| match entry {
+        self.tensors.get(name).map(|t| match &t.entry {
             Entry::Candle(info) => ActQuant::for_candle(info.ggml_dtype),
             Entry::Extra { kind, .. } => ActQuant::for_extra(*kind),
         })
@@ -125,61 +230,224 @@ impl GgufFile {
         expected: &[usize],
         dtype: DType,
     ) -> Result<Tensor, ReferenceError> {
-        let found = self
-            .tensor_shape(name)
+        let outer = expected.first().copied().unwrap_or(1);
+        self.tensor_outer(name, expected, 0..outer, dtype)
+    }
+
+    /// Check that tensor `name` has shape `expected` and that its data lies inside its file,
+    /// without reading it.
+    pub fn check(&self, name: &str, expected: &[usize]) -> Result<(), ReferenceError> {
+        let outer = expected.first().copied().unwrap_or(1);
+        self.locate(name, expected, 0..outer).map(|_| ())
+    }
+
+    /// Read and dequantize `rows` of the outermost dimension of tensor `name` (whose whole shape
+    /// must be `expected`): one expert of an expert tensor, a range of rows of a matrix. The
+    /// values are exactly those of the same rows of the whole tensor: dequantization works block
+    /// by block, and a row range must start and end on a block boundary (checked).
+    pub fn tensor_outer(
+        &mut self,
+        name: &str,
+        expected: &[usize],
+        rows: std::ops::Range<usize>,
+        dtype: DType,
+    ) -> Result<Tensor, ReferenceError> {
+        let (shard, start, size, dims) = self.locate(name, expected, rows.clone())?;
+        if size == 0 {
+            // Nothing to read (and candle's reader cannot take an empty buffer: it casts the
+            // byte vector's dangling pointer to f32).
+            return Ok(Tensor::zeros(dims.as_slice(), dtype, &Device::Cpu)?);
+        }
+        let data_err = |message: String| ReferenceError::TensorData {
+            name: name.to_string(),
+            message,
+        };
+        let located = self
+            .tensors
+            .get(name)
             .ok_or_else(|| ReferenceError::MissingTensor {
                 name: name.to_string(),
             })?;
+        let file = &mut self.shards[shard];
+        let io = |source| ReferenceError::Io {
+            path: file.path.clone(),
+            source,
+        };
+        let tensor = match &located.entry {
+            Entry::Candle(info) => {
+                // candle reads `shape`'s worth of blocks at data_offset + offset
+                let part = TensorInfo {
+                    ggml_dtype: info.ggml_dtype,
+                    shape: candle_core::Shape::from(dims.clone()),
+                    offset: start - file.data_offset,
+                };
+                part.read(&mut file.reader, file.data_offset, &Device::Cpu)
+                    .and_then(|q| q.dequantize(&Device::Cpu))
+                    .map_err(|e| data_err(first_line(&e)))?
+            }
+            Entry::Extra { kind, .. } => {
+                let mut raw = vec![0u8; size as usize];
+                file.reader
+                    .seek(SeekFrom::Start(start))
+                    .and_then(|_| file.reader.read_exact(&mut raw))
+                    .map_err(io)?;
+                Tensor::from_vec(kind.dequantize(&raw), dims.as_slice(), &Device::Cpu)?
+            }
+        };
+        Ok(tensor.to_dtype(dtype)?)
+    }
+
+    /// Where rows `rows` of tensor `name` lie: `(shard, absolute start, bytes, shape of the
+    /// part)`, after checking the shape, the block alignment and the file's size.
+    fn locate(
+        &self,
+        name: &str,
+        expected: &[usize],
+        rows: std::ops::Range<usize>,
+    ) -> Result<(usize, u64, u64, Vec<usize>), ReferenceError> {
+        let located = self
+            .tensors
+            .get(name)
+            .ok_or_else(|| ReferenceError::MissingTensor {
+                name: name.to_string(),
+            })?;
+        let found = located.entry.dims();
         if found != expected {
             return Err(ReferenceError::TensorShape {
                 name: name.to_string(),
                 expected: expected.to_vec(),
-                found,
+                found: found.to_vec(),
             });
         }
         let data_err = |message: String| ReferenceError::TensorData {
             name: name.to_string(),
             message,
         };
-        let tensor = match self.tensors.get(name) {
-            Some(Entry::Candle(info)) => info
-                .read(&mut self.reader, self.data_offset, &Device::Cpu)
-                .and_then(|q| q.dequantize(&Device::Cpu))
-                .map_err(|e| data_err(first_line(&e)))?,
-            Some(Entry::Extra { kind, dims, offset }) => {
-                let elems: usize = dims.iter().product();
-                if !elems.is_multiple_of(kind.block_size()) {
-                    return Err(data_err(format!(
-                        "{elems} elements are not a whole number of {}-element blocks",
-                        kind.block_size()
-                    )));
-                }
-                let size = (elems / kind.block_size()) as u64 * kind.type_size() as u64;
-                let start = self.data_offset.saturating_add(*offset);
-                if start.saturating_add(size) > self.file_size {
-                    return Err(data_err(format!(
-                        "needs {size} bytes at offset {start}, the file has {} bytes",
-                        self.file_size
-                    )));
-                }
-                let mut raw = vec![0u8; size as usize];
-                self.reader
-                    .seek(SeekFrom::Start(start))
-                    .and_then(|_| self.reader.read_exact(&mut raw))
-                    .map_err(|source| ReferenceError::Io {
-                        path: self.path.clone(),
-                        source,
-                    })?;
-                Tensor::from_vec(kind.dequantize(&raw), dims.as_slice(), &Device::Cpu)?
-            }
-            None => {
-                return Err(ReferenceError::MissingTensor {
-                    name: name.to_string(),
-                })
-            }
-        };
-        Ok(tensor.to_dtype(dtype)?)
+        let outer = found.first().copied().unwrap_or(1);
+        if rows.start > rows.end || rows.end > outer {
+            return Err(data_err(format!(
+                "rows {}..{} asked of a tensor with {outer}",
+                rows.start, rows.end
+            )));
+        }
+        let inner: u64 = found.iter().skip(1).map(|&d| d as u64).product();
+        let (block, type_size) = located.entry.block();
+        let (block, type_size) = (block as u64, type_size as u64);
+        if !inner.is_multiple_of(block) {
+            return Err(data_err(format!(
+                "rows of {inner} elements are not a whole number of {block}-element blocks"
+            )));
+        }
+        let row_bytes = inner / block * type_size;
+        let file = &self.shards[located.shard];
+        let tensor_start = file.data_offset.saturating_add(located.entry.offset());
+        let tensor_end = tensor_start.saturating_add((outer as u64).saturating_mul(row_bytes));
+        if tensor_end > file.file_size {
+            return Err(data_err(format!(
+                "needs bytes {tensor_start}..{tensor_end} of {}, which has {} bytes",
+                file.path.display(),
+                file.file_size
+            )));
+        }
+        let start = tensor_start + rows.start as u64 * row_bytes;
+        let size = (rows.end - rows.start) as u64 * row_bytes;
+        let mut dims = found.to_vec();
+        if let Some(d) = dims.first_mut() {
+            *d = rows.end - rows.start;
+        }
+        Ok((located.shard, start, size, dims))
     }
+}
+
+/// Open one file and read its header: by candle-core's reader, or by [`fallback_header`] when
+/// candle rejects a tensor type.
+fn read_one(path: &Path) -> Result<(ShardFile, FileHeader), ReferenceError> {
+    let io = |source| ReferenceError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let file = File::open(path).map_err(io)?;
+    let file_size = file.metadata().map_err(io)?.len();
+    let mut reader = BufReader::new(file);
+    let header = match Content::read(&mut reader) {
+        Ok(content) => {
+            let tensors = content
+                .tensor_infos
+                .into_iter()
+                .map(|(name, info)| {
+                    // candle parses these two but its tensor loader refuses them
+                    let extra = match info.ggml_dtype {
+                        GgmlDType::Q8_1 => Some(ExtraType::Q8_1),
+                        GgmlDType::Q8K => Some(ExtraType::Q8K),
+                        _ => None,
+                    };
+                    let entry = match extra {
+                        Some(kind) => Entry::Extra {
+                            kind,
+                            dims: info.shape.dims().to_vec(),
+                            offset: info.offset,
+                        },
+                        None => Entry::Candle(info),
+                    };
+                    (name, entry)
+                })
+                .collect();
+            (content.metadata, tensors, content.tensor_data_offset)
+        }
+        Err(candle_err) => {
+            reader.seek(SeekFrom::Start(0)).map_err(io)?;
+            fallback_header(&mut reader, file_size).map_err(|message| ReferenceError::Gguf {
+                path: path.to_path_buf(),
+                message: format!("{message} (candle-core's reader said: {candle_err})"),
+            })?
+        }
+    };
+    let data_offset = header.2;
+    Ok((
+        ShardFile {
+            path: path.to_path_buf(),
+            reader,
+            file_size,
+            data_offset,
+        },
+        header,
+    ))
+}
+
+/// `split.no` / `split.count` of one file, `None` when absent.
+fn split_key(
+    md: &HashMap<String, Value>,
+    path: &Path,
+    key: &str,
+) -> Result<Option<u64>, ReferenceError> {
+    match md.get(key) {
+        None => Ok(None),
+        Some(v) => as_u64(v).map(Some).ok_or_else(|| ReferenceError::Gguf {
+            path: path.to_path_buf(),
+            message: format!("`{key}` is {v:?}, expected an unsigned integer"),
+        }),
+    }
+}
+
+/// `(PREFIX, count)` of a shard named `PREFIX-NNNNN-of-MMMMM.gguf` (gguf-split's convention).
+pub(crate) fn parse_shard_name(path: &Path) -> Option<(PathBuf, u64)> {
+    let name = path.file_name()?.to_str()?;
+    let stem = name.strip_suffix(".gguf")?;
+    let (rest, count) = stem.rsplit_once("-of-")?;
+    let (prefix, no) = rest.rsplit_once('-')?;
+    let digits = |s: &str| s.len() == 5 && s.bytes().all(|b| b.is_ascii_digit());
+    if !digits(no) || !digits(count) {
+        return None;
+    }
+    let count: u64 = count.parse().ok()?;
+    Some((path.with_file_name(prefix), count))
+}
+
+/// The path of shard `no` (1-based) of `count`, `PREFIX-NNNNN-of-MMMMM.gguf`.
+pub(crate) fn shard_path(prefix: &Path, no: u64, count: u64) -> PathBuf {
+    let mut s = prefix.as_os_str().to_os_string();
+    s.push(format!("-{no:05}-of-{count:05}.gguf"));
+    PathBuf::from(s)
 }
 
 /// A candle error's message without the backtrace candle appends when `RUST_BACKTRACE` is set.
@@ -190,11 +458,7 @@ fn first_line(e: &candle_core::Error) -> String {
 /// Read the GGUF header (v2 or v3) without candle, for files candle rejects because of a tensor
 /// type. Every length and count is checked against the bytes left in the file before anything is
 /// allocated from it.
-#[allow(clippy::type_complexity)]
-fn fallback_header<R: Read + Seek>(
-    r: &mut R,
-    file_size: u64,
-) -> Result<(HashMap<String, Value>, HashMap<String, Entry>, u64), String> {
+fn fallback_header<R: Read + Seek>(r: &mut R, file_size: u64) -> Result<FileHeader, String> {
     let mut h = Header { r, file_size };
     let magic = h.u32()?;
     if magic != 0x4655_4747 {
@@ -481,5 +745,154 @@ impl GgufFile {
                 found: format!("{:?}", v.value_type()),
             }),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A GGUF v3 file with one F32 tensor `t` of `ne = [cols, rows]` holding `0, 1, 2, …`,
+    /// and `extra` metadata `(key, type id, value bytes)`; `cut` bytes removed from the end.
+    fn file(rows: u64, cols: u64, extra: &[(&str, u32, &[u8])], cut: usize) -> Vec<u8> {
+        let mut b = Vec::new();
+        let s = |b: &mut Vec<u8>, x: &str| {
+            b.extend((x.len() as u64).to_le_bytes());
+            b.extend(x.as_bytes());
+        };
+        b.extend(b"GGUF");
+        b.extend(3u32.to_le_bytes());
+        b.extend(1u64.to_le_bytes());
+        b.extend((extra.len() as u64).to_le_bytes());
+        for (k, ty, v) in extra {
+            s(&mut b, k);
+            b.extend(ty.to_le_bytes());
+            b.extend(*v);
+        }
+        s(&mut b, "t");
+        b.extend(2u32.to_le_bytes());
+        b.extend(cols.to_le_bytes());
+        b.extend(rows.to_le_bytes());
+        b.extend(0u32.to_le_bytes()); // F32
+        b.extend(0u64.to_le_bytes());
+        while b.len() % 32 != 0 {
+            b.push(0);
+        }
+        for i in 0..rows * cols {
+            b.extend((i as f32).to_le_bytes());
+        }
+        b.truncate(b.len() - cut);
+        b
+    }
+
+    fn open(bytes: &[u8]) -> (tempfile_dir::Dir, Result<GgufFile, ReferenceError>) {
+        let dir = tempfile_dir::Dir::new();
+        let path = dir.0.join("m.gguf");
+        std::fs::write(&path, bytes).expect("write");
+        let f = GgufFile::open(&path);
+        (dir, f)
+    }
+
+    /// A directory removed on drop (the reference has no tempfile dependency).
+    mod tempfile_dir {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        pub struct Dir(pub std::path::PathBuf);
+        impl Dir {
+            pub fn new() -> Dir {
+                static N: AtomicUsize = AtomicUsize::new(0);
+                let p = std::env::temp_dir().join(format!(
+                    "reference-gguf-{}-{}",
+                    std::process::id(),
+                    N.fetch_add(1, Ordering::Relaxed)
+                ));
+                std::fs::create_dir_all(&p).expect("temp dir");
+                Dir(p)
+            }
+        }
+        impl Drop for Dir {
+            fn drop(&mut self) {
+                let _ = std::fs::remove_dir_all(&self.0);
+            }
+        }
+    }
+
+    #[test]
+    fn row_ranges_are_the_rows_of_the_whole_tensor() {
+        let (_d, f) = open(&file(5, 3, &[], 0));
+        let mut f = f.expect("open");
+        let whole = f.tensor("t", &[5, 3], DType::F32).expect("whole");
+        for (a, b) in [(0, 5), (0, 1), (2, 4), (4, 5), (3, 3)] {
+            let part = f
+                .tensor_outer("t", &[5, 3], a..b, DType::F32)
+                .expect("rows");
+            assert_eq!(part.dims(), &[b - a, 3]);
+            let want = whole.narrow(0, a, b - a).expect("narrow");
+            assert_eq!(
+                part.flatten_all()
+                    .and_then(|t| t.to_vec1::<f32>())
+                    .expect("part"),
+                want.flatten_all()
+                    .and_then(|t| t.to_vec1::<f32>())
+                    .expect("want"),
+            );
+        }
+        match f.tensor_outer("t", &[5, 3], 4..6, DType::F32) {
+            Err(ReferenceError::TensorData { name, message }) => {
+                assert_eq!(name, "t");
+                assert!(message.contains("rows 4..6"), "{message}");
+            }
+            other => panic!("expected TensorData, found {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_truncated_tensor_is_refused_by_check_before_any_read() {
+        let (_d, f) = open(&file(5, 3, &[], 4));
+        let f = f.expect("the header reads");
+        match f.check("t", &[5, 3]) {
+            Err(ReferenceError::TensorData { name, message }) => {
+                assert_eq!(name, "t");
+                assert!(message.contains("needs bytes"), "{message}");
+            }
+            other => panic!("expected TensorData, found {other:?}"),
+        }
+        assert!(matches!(
+            f.check("t", &[3, 5]),
+            Err(ReferenceError::TensorShape { .. })
+        ));
+        assert!(matches!(
+            f.check("u", &[5, 3]),
+            Err(ReferenceError::MissingTensor { .. })
+        ));
+    }
+
+    #[test]
+    fn shard_names_follow_gguf_split() {
+        let p = Path::new("/m/Kimi-K2-Q4_K_M-00002-of-00013.gguf");
+        let (prefix, count) = parse_shard_name(p).expect("a shard name");
+        assert_eq!(prefix, Path::new("/m/Kimi-K2-Q4_K_M"));
+        assert_eq!(count, 13);
+        assert_eq!(
+            shard_path(&prefix, 13, 13),
+            Path::new("/m/Kimi-K2-Q4_K_M-00013-of-00013.gguf")
+        );
+        for not in ["/m/a.gguf", "/m/a-2-of-3.gguf", "/m/a-00002-of-00013.bin"] {
+            assert_eq!(parse_shard_name(Path::new(not)), None, "{not}");
+        }
+    }
+
+    #[test]
+    fn a_shard_whose_name_hides_its_set_is_refused() {
+        // split.count 2 (a u16, type 2) on a file named m.gguf: its other shard cannot be found
+        let (_d, f) = open(&file(1, 3, &[("split.count", 2, &2u16.to_le_bytes())], 0));
+        match f {
+            Err(ReferenceError::Gguf { message, .. }) => {
+                assert!(message.contains("split.count is 2"), "{message}")
+            }
+            other => panic!("expected Gguf, found {:?}", other.map(|_| ())),
+        }
+        // split.count 1 is a file of its own
+        let (_d, f) = open(&file(1, 3, &[("split.count", 2, &1u16.to_le_bytes())], 0));
+        assert_eq!(f.expect("a set of one").n_files(), 1);
     }
 }

@@ -9,8 +9,15 @@
 //!   MXFP4) have their own plain dequantizer in [`dequant`], written from ggml's description.
 //!   A bug shared with the engine would make both sides agree, and hide it.
 //! - Slow and obvious on purpose: full-sequence, teacher-forced evaluation with a causal (and
-//!   sliding-window) mask, no KV cache, every weight dequantized once at load, every formula
-//!   written the way a paper would. No fusions, no shortcuts that need an argument to be right.
+//!   sliding-window) mask, no KV cache, every formula written the way a paper would. No fusions,
+//!   no shortcuts that need an argument to be right.
+//! - Two residencies, the same numbers ([`Residency`]): every weight dequantized once at load, or
+//!   (for models larger than memory) the file kept open and each layer read and dequantized when
+//!   the forward pass reaches it, then dropped; embedding rows are read when looked up and the
+//!   output head one chunk of rows at a time. Both run the same reads and the same products in
+//!   the same order, so their taps and logits are equal bit for bit (golden/tests checks it).
+//! - A split set (`PREFIX-NNNNN-of-NNNNN.gguf`) is read in place, each tensor from its shard, the
+//!   shards ordered by their own `split.no`.
 //! - Computes in one dtype end to end ([`Precision::F32`] or [`Precision::F64`]); taps and logits
 //!   are handed out as f32. (MoE routing weights are computed on the host in f64 for both.)
 //!
@@ -22,17 +29,17 @@ mod error;
 mod gguf;
 pub mod numerics;
 mod ops;
-pub mod split;
 pub mod tokenizer;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use candle_core::DType;
 
 pub use error::ReferenceError;
 pub use tokenizer::Tokenizer;
 
-use arch::{deepseek2::Deepseek2, gemma3::Gemma3, llama::Llama, Loader};
+use arch::{deepseek2::Deepseek2, gemma3::Gemma3, llama::Llama, Loader, Streamer};
 
 /// The tap observer: called with `(name, [n_tokens, width], data)` for every tap, in forward
 /// order (docs/TAPS.md).
@@ -59,16 +66,84 @@ impl Precision {
     }
 }
 
+/// When the weights are read and dequantized.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Residency {
+    /// Every weight dequantized at load and kept: fast repeated forward passes, memory of the
+    /// whole model in the compute dtype.
+    #[default]
+    Eager,
+    /// Weights read from the open file when the forward pass needs them and dropped after: the
+    /// weights in memory are one layer's (plus one chunk of output-head rows and the embedding
+    /// rows of the tokens), whatever the model's size; every forward pass reads the file again.
+    Streaming,
+}
+
+/// How much memory the model's weights take in f32, from its tensor directory.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Footprint {
+    /// Σ elements × 4 over every tensor of the model.
+    pub total_f32_bytes: u64,
+    /// The layer (`blk.{i}.*`) whose tensors take the most f32 bytes, and that size.
+    pub largest_layer: Option<(usize, u64)>,
+    /// The largest tensor outside the layers (often `token_embd.weight`), and its f32 bytes.
+    pub largest_global: Option<(String, u64)>,
+    /// Files the model is read from.
+    pub n_files: usize,
+}
+
+impl Footprint {
+    fn of(file: &gguf::GgufFile) -> Footprint {
+        let mut total = 0u64;
+        let mut layers: std::collections::BTreeMap<usize, u64> = Default::default();
+        let mut largest_global: Option<(String, u64)> = None;
+        for (name, elems) in file.tensor_sizes() {
+            let bytes = elems.saturating_mul(4);
+            total = total.saturating_add(bytes);
+            let layer = name
+                .strip_prefix("blk.")
+                .and_then(|r| r.split_once('.'))
+                .and_then(|(i, _)| i.parse::<usize>().ok());
+            match layer {
+                Some(i) => *layers.entry(i).or_default() += bytes,
+                None => {
+                    if largest_global
+                        .as_ref()
+                        .is_none_or(|(n, b)| bytes > *b || (bytes == *b && name < n.as_str()))
+                    {
+                        largest_global = Some((name.to_string(), bytes));
+                    }
+                }
+            }
+        }
+        let largest_layer = layers
+            .into_iter()
+            .fold(None, |best: Option<(usize, u64)>, (i, b)| match best {
+                Some((_, bb)) if bb >= b => best,
+                _ => Some((i, b)),
+            });
+        Footprint {
+            total_f32_bytes: total,
+            largest_layer,
+            largest_global,
+            n_files: file.n_files(),
+        }
+    }
+}
+
 enum Arch {
     Llama(Llama),
     Gemma3(Gemma3),
     Deepseek2(Deepseek2),
 }
 
-/// A model loaded for reference evaluation: all weights dequantized in memory.
+/// A model loaded for reference evaluation: all weights dequantized in memory
+/// ([`Residency::Eager`]), or read layer by layer from the open file ([`Residency::Streaming`]).
 pub struct ReferenceModel {
     architecture: String,
     precision: Precision,
+    residency: Residency,
+    footprint: Footprint,
     pieces: Vec<String>,
     bos_token_id: Option<u32>,
     add_bos: bool,
@@ -88,9 +163,41 @@ impl std::fmt::Debug for ReferenceModel {
 }
 
 impl ReferenceModel {
-    /// Read `path` (GGUF v2/v3) and dequantize every weight to `precision`.
+    /// Read `path` (GGUF v2/v3) and dequantize every weight to `precision`
+    /// ([`Residency::Eager`]). A shard of a split set opens the whole set (see [`Self::open`]).
     pub fn load(path: &Path, precision: Precision) -> Result<Self, ReferenceError> {
-        let mut file = gguf::GgufFile::open(path)?;
+        Self::open(path, precision, Residency::Eager)
+    }
+
+    /// Open `path` (GGUF v2/v3) with the weights read now or as the forward pass needs them.
+    /// A shard of a split set (a file with `split.count` above 1, named
+    /// `PREFIX-NNNNN-of-NNNNN.gguf`) opens every shard of the set from the same directory, read
+    /// in place; a missing shard is an error naming its path. In streaming mode every tensor
+    /// the forward pass will read is checked now (present, its shape, inside its file), so a
+    /// bad file fails here rather than halfway through a pass.
+    pub fn open(
+        path: &Path,
+        precision: Precision,
+        residency: Residency,
+    ) -> Result<Self, ReferenceError> {
+        Self::from_file(gguf::GgufFile::open(path)?, precision, residency)
+    }
+
+    /// Open a split set from its shard files listed in any order, read in place (each shard
+    /// placed by its own `split.no`).
+    pub fn open_listed(
+        paths: &[PathBuf],
+        precision: Precision,
+        residency: Residency,
+    ) -> Result<Self, ReferenceError> {
+        Self::from_file(gguf::GgufFile::open_listed(paths)?, precision, residency)
+    }
+
+    fn from_file(
+        file: gguf::GgufFile,
+        precision: Precision,
+        residency: Residency,
+    ) -> Result<Self, ReferenceError> {
         let architecture = file.get_string("general.architecture")?.to_string();
         let pieces = file.token_pieces()?;
         let bos_token_id = match file.metadata("tokenizer.ggml.bos_token_id") {
@@ -111,21 +218,32 @@ impl ReferenceModel {
             Ok(None) => Err("the file has no vocabulary (tokenizer.ggml.tokens)".to_string()),
             Err(e) => Err(e.to_string()),
         };
-        let mut ld = Loader {
-            file: &mut file,
-            dtype: precision.dtype(),
-            prefix: format!("{architecture}."),
-            exact: precision == Precision::Exact,
-        };
-        let arch = match architecture.as_str() {
-            "llama" => Arch::Llama(Llama::load(&mut ld)?),
-            "gemma3" => Arch::Gemma3(Gemma3::load(&mut ld)?),
-            "deepseek2" => Arch::Deepseek2(Deepseek2::load(&mut ld)?),
-            other => return Err(ReferenceError::UnsupportedArchitecture(other.to_string())),
-        };
+        let footprint = Footprint::of(&file);
+        if !matches!(architecture.as_str(), "llama" | "gemma3" | "deepseek2") {
+            return Err(ReferenceError::UnsupportedArchitecture(architecture));
+        }
+        let streaming = residency == Residency::Streaming;
+        let src = Arc::new(Streamer::new(
+            file,
+            precision.dtype(),
+            format!("{architecture}."),
+            precision == Precision::Exact,
+        ));
+        // Eager: everything read now, and the file closed when `src` goes. Streaming: only
+        // checked now; the architecture keeps `src` and reads each layer when it gets there.
+        let keep = streaming.then_some(&src);
+        let arch = src.with(streaming, |ld: &mut Loader<'_>| {
+            Ok(match architecture.as_str() {
+                "llama" => Arch::Llama(Llama::load(ld, keep)?),
+                "gemma3" => Arch::Gemma3(Gemma3::load(ld, keep)?),
+                _ => Arch::Deepseek2(Deepseek2::load(ld, keep)?),
+            })
+        })?;
         let model = Self {
             architecture,
             precision,
+            residency,
+            footprint,
             pieces,
             bos_token_id,
             add_bos,
@@ -146,19 +264,6 @@ impl ReferenceModel {
         Ok(model)
     }
 
-    /// Load a split set from its shard files listed in any order: [`split::merge`] writes one
-    /// plain file (`merged`, removed afterwards), which [`ReferenceModel::load`] reads.
-    pub fn load_listed(
-        paths: &[std::path::PathBuf],
-        merged: &Path,
-        precision: Precision,
-    ) -> Result<Self, ReferenceError> {
-        split::merge(paths, merged)?;
-        let model = Self::load(merged, precision);
-        let _ = std::fs::remove_file(merged);
-        model
-    }
-
     /// `general.architecture`: `llama`, `gemma3` or `deepseek2`.
     pub fn architecture(&self) -> &str {
         &self.architecture
@@ -166,6 +271,36 @@ impl ReferenceModel {
 
     pub fn precision(&self) -> Precision {
         self.precision
+    }
+
+    pub fn residency(&self) -> Residency {
+        self.residency
+    }
+
+    /// The f32 size of the whole model and of its largest layer, from the tensor directory.
+    pub fn footprint(&self) -> &Footprint {
+        &self.footprint
+    }
+
+    /// Apply the output head `rows` rows per matrix product instead of the default (16 MiB of
+    /// f32 per chunk). Results depend on the chunking only through the matrix-product library's
+    /// blocking; two models with the same chunk rows compute the same bits in either residency.
+    pub fn with_head_chunk_rows(mut self, rows: usize) -> Self {
+        match &mut self.arch {
+            Arch::Llama(m) => m.vocab_mut().set_chunk_rows(rows),
+            Arch::Gemma3(m) => m.vocab_mut().set_chunk_rows(rows),
+            Arch::Deepseek2(m) => m.vocab_mut().set_chunk_rows(rows),
+        }
+        self
+    }
+
+    /// Number of layers (`blk.{i}`).
+    pub fn n_layers(&self) -> usize {
+        match &self.arch {
+            Arch::Llama(m) => m.n_layers(),
+            Arch::Gemma3(m) => m.n_layers(),
+            Arch::Deepseek2(m) => m.n_layers(),
+        }
     }
 
     /// Rows of the output head (the width of the `logits` tap).

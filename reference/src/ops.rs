@@ -38,10 +38,6 @@ impl Weight {
             act: self.act,
         })
     }
-
-    pub fn dims(&self) -> &[usize] {
-        self.w.dims()
-    }
 }
 
 /// `x · Wᵀ` for `x: [n, in]`, `w: [out, in]`, with `x` first rounded as `w`'s dot product reads it.

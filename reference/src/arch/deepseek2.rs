@@ -18,9 +18,11 @@
 //! below at 2⁻¹⁴) when `expert_weights_norm`, times `expert_weights_scale`; output
 //! `Σ wₑ·expertₑ(m) + shared(m)`.
 
+use std::sync::Arc;
+
 use candle_core::{DType, Device, Tensor};
 
-use super::{embed, embedding_and_head, Loader};
+use super::{Experts, Layers, Loader, Streamer, Vocab};
 use crate::error::ReferenceError;
 use crate::ops::{
     attention, causal_mask, gated_ffn, linear, rms_norm, tap, Activation, Result, Rope, RopeLayout,
@@ -46,9 +48,9 @@ enum KvUp {
 struct Moe {
     router: Weight,
     probs_bias: Option<Tensor>,
-    gate: Weight,
-    up: Weight,
-    down: Weight,
+    gate: Experts,
+    up: Experts,
+    down: Experts,
     shared: Option<(Weight, Weight, Weight)>,
 }
 
@@ -58,7 +60,7 @@ enum Ffn {
         up: Weight,
         down: Weight,
     },
-    Moe(Moe),
+    Moe(Box<Moe>),
 }
 
 struct Layer {
@@ -79,6 +81,14 @@ enum Gating {
 }
 
 pub(crate) struct Deepseek2 {
+    /// The streaming model's file (routed experts are read one by one from it).
+    src: Option<Arc<Streamer>>,
+    n_embd: usize,
+    q_lora_rank: usize,
+    n_dense_lead: usize,
+    n_ff: usize,
+    n_shared: usize,
+    n_ff_exp: usize,
     n_head: usize,
     kv_lora_rank: usize,
     nope: usize,
@@ -91,14 +101,15 @@ pub(crate) struct Deepseek2 {
     gating: Gating,
     norm_weights: bool,
     weights_scale: f64,
-    embd: Tensor,
-    head: Weight,
+    vocab: Vocab,
     output_norm: Tensor,
-    layers: Vec<Layer>,
+    layers: Layers<Layer>,
 }
 
 impl Deepseek2 {
-    pub fn load(ld: &mut Loader<'_>) -> Result<Self> {
+    /// Read the configuration and the weights (eager), or only check the weights (`src`: the
+    /// streaming model's file, read again layer by layer in [`Deepseek2::forward`]).
+    pub fn load(ld: &mut Loader<'_>, src: Option<&Arc<Streamer>>) -> Result<Self> {
         let n_embd = ld.usize("embedding_length")?;
         let n_layer = ld.usize("block_count")?;
         let n_head = ld.usize("attention.head_count")?;
@@ -159,66 +170,16 @@ impl Deepseek2 {
         let norm_weights = ld.bool_or("expert_weights_norm", false)?;
         let weights_scale = ld.f64_opt("expert_weights_scale")?.unwrap_or(1.0);
 
-        let (embd, head) = embedding_and_head(ld, n_embd)?;
-        let output_norm = ld.tensor("output_norm.weight", &[n_embd])?;
-        let mut layers = Vec::with_capacity(n_layer);
-        for i in 0..n_layer {
-            let b = |s: &str| format!("blk.{i}.{s}.weight");
-            let q = if q_lora_rank == 0 {
-                Query::Direct(ld.weight(&b("attn_q"), &[n_head * key_length, n_embd])?)
-            } else {
-                Query::LowRank {
-                    a: ld.weight(&b("attn_q_a"), &[q_lora_rank, n_embd])?,
-                    norm: ld.tensor(&b("attn_q_a_norm"), &[q_lora_rank])?,
-                    b: ld.weight(&b("attn_q_b"), &[n_head * key_length, q_lora_rank])?,
-                }
-            };
-            let kv_b = if ld.file.has_tensor(&b("attn_kv_b")) {
-                KvUp::Fused(ld.weight(&b("attn_kv_b"), &[n_head * (nope + v_dim), kv_lora_rank])?)
-            } else {
-                KvUp::Split {
-                    k_b: ld.weight(&b("attn_k_b"), &[n_head, kv_lora_rank, nope])?,
-                    v_b: ld.weight(&b("attn_v_b"), &[n_head, v_dim, kv_lora_rank])?,
-                }
-            };
-            let ffn = if i < n_dense_lead {
-                Ffn::Dense {
-                    gate: ld.weight(&b("ffn_gate"), &[n_ff, n_embd])?,
-                    up: ld.weight(&b("ffn_up"), &[n_ff, n_embd])?,
-                    down: ld.weight(&b("ffn_down"), &[n_embd, n_ff])?,
-                }
-            } else {
-                let shared = if n_shared > 0 {
-                    let w = n_ff_exp * n_shared;
-                    Some((
-                        ld.weight(&b("ffn_gate_shexp"), &[w, n_embd])?,
-                        ld.weight(&b("ffn_up_shexp"), &[w, n_embd])?,
-                        ld.weight(&b("ffn_down_shexp"), &[n_embd, w])?,
-                    ))
-                } else {
-                    None
-                };
-                Ffn::Moe(Moe {
-                    router: ld.weight(&b("ffn_gate_inp"), &[n_expert, n_embd])?,
-                    probs_bias: ld.optional(&format!("blk.{i}.exp_probs_b.bias"), &[n_expert])?,
-                    gate: ld.weight(&b("ffn_gate_exps"), &[n_expert, n_ff_exp, n_embd])?,
-                    up: ld.weight(&b("ffn_up_exps"), &[n_expert, n_ff_exp, n_embd])?,
-                    down: ld.weight(&b("ffn_down_exps"), &[n_expert, n_embd, n_ff_exp])?,
-                    shared,
-                })
-            };
-            layers.push(Layer {
-                attn_norm: ld.tensor(&b("attn_norm"), &[n_embd])?,
-                q,
-                kv_a: ld.weight(&b("attn_kv_a_mqa"), &[kv_lora_rank + rope_dim, n_embd])?,
-                kv_a_norm: ld.tensor(&b("attn_kv_a_norm"), &[kv_lora_rank])?,
-                kv_b,
-                wo: ld.weight(&b("attn_output"), &[n_embd, n_head * v_dim])?,
-                ffn_norm: ld.tensor(&b("ffn_norm"), &[n_embd])?,
-                ffn,
-            });
-        }
-        Ok(Self {
+        let vocab = Vocab::load(ld, n_embd, src)?;
+        let output_norm = ld.resident("output_norm.weight", &[n_embd])?;
+        let mut m = Self {
+            src: src.cloned(),
+            n_embd,
+            q_lora_rank,
+            n_dense_lead,
+            n_ff,
+            n_shared,
+            n_ff_exp,
             n_head,
             kv_lora_rank,
             nope,
@@ -231,25 +192,101 @@ impl Deepseek2 {
             gating,
             norm_weights,
             weights_scale,
-            embd,
-            head,
+            vocab,
             output_norm,
-            layers,
+            layers: Layers::Eager(Vec::new()),
+        };
+        m.layers = Layers::load(ld, n_layer, src, |ld, i| m.load_layer(ld, i))?;
+        Ok(m)
+    }
+
+    /// The weights of layer `i`.
+    fn load_layer(&self, ld: &mut Loader<'_>, i: usize) -> Result<Layer> {
+        let (n_embd, n_head, q_lora_rank) = (self.n_embd, self.n_head, self.q_lora_rank);
+        let (kv_lora_rank, nope, v_dim, rope_dim) =
+            (self.kv_lora_rank, self.nope, self.v_dim, self.rope_dim);
+        let key_length = nope + rope_dim;
+        let (n_dense_lead, n_ff, n_shared, n_ff_exp) =
+            (self.n_dense_lead, self.n_ff, self.n_shared, self.n_ff_exp);
+        let n_expert = self.n_expert;
+        let src = self.src.as_ref();
+        let b = |s: &str| format!("blk.{i}.{s}.weight");
+        let q = if q_lora_rank == 0 {
+            Query::Direct(ld.weight(&b("attn_q"), &[n_head * key_length, n_embd])?)
+        } else {
+            Query::LowRank {
+                a: ld.weight(&b("attn_q_a"), &[q_lora_rank, n_embd])?,
+                norm: ld.tensor(&b("attn_q_a_norm"), &[q_lora_rank])?,
+                b: ld.weight(&b("attn_q_b"), &[n_head * key_length, q_lora_rank])?,
+            }
+        };
+        let kv_b = if ld.file.has_tensor(&b("attn_kv_b")) {
+            KvUp::Fused(ld.weight(&b("attn_kv_b"), &[n_head * (nope + v_dim), kv_lora_rank])?)
+        } else {
+            KvUp::Split {
+                k_b: ld.weight(&b("attn_k_b"), &[n_head, kv_lora_rank, nope])?,
+                v_b: ld.weight(&b("attn_v_b"), &[n_head, v_dim, kv_lora_rank])?,
+            }
+        };
+        let ffn = if i < n_dense_lead {
+            Ffn::Dense {
+                gate: ld.weight(&b("ffn_gate"), &[n_ff, n_embd])?,
+                up: ld.weight(&b("ffn_up"), &[n_ff, n_embd])?,
+                down: ld.weight(&b("ffn_down"), &[n_embd, n_ff])?,
+            }
+        } else {
+            let shared = if n_shared > 0 {
+                let w = n_ff_exp * n_shared;
+                Some((
+                    ld.weight(&b("ffn_gate_shexp"), &[w, n_embd])?,
+                    ld.weight(&b("ffn_up_shexp"), &[w, n_embd])?,
+                    ld.weight(&b("ffn_down_shexp"), &[n_embd, w])?,
+                ))
+            } else {
+                None
+            };
+            Ffn::Moe(Box::new(Moe {
+                router: ld.weight(&b("ffn_gate_inp"), &[n_expert, n_embd])?,
+                probs_bias: ld.optional(&format!("blk.{i}.exp_probs_b.bias"), &[n_expert])?,
+                gate: Experts::load(ld, &b("ffn_gate_exps"), &[n_expert, n_ff_exp, n_embd], src)?,
+                up: Experts::load(ld, &b("ffn_up_exps"), &[n_expert, n_ff_exp, n_embd], src)?,
+                down: Experts::load(ld, &b("ffn_down_exps"), &[n_expert, n_embd, n_ff_exp], src)?,
+                shared,
+            }))
+        };
+        Ok(Layer {
+            attn_norm: ld.tensor(&b("attn_norm"), &[n_embd])?,
+            q,
+            kv_a: ld.weight(&b("attn_kv_a_mqa"), &[kv_lora_rank + rope_dim, n_embd])?,
+            kv_a_norm: ld.tensor(&b("attn_kv_a_norm"), &[kv_lora_rank])?,
+            kv_b,
+            wo: ld.weight(&b("attn_output"), &[n_embd, n_head * v_dim])?,
+            ffn_norm: ld.tensor(&b("ffn_norm"), &[n_embd])?,
+            ffn,
         })
     }
 
+    pub fn vocab_mut(&mut self) -> &mut Vocab {
+        &mut self.vocab
+    }
+
     pub fn vocab_size(&self) -> usize {
-        self.head.dims()[0]
+        self.vocab.n_vocab()
+    }
+
+    pub fn n_layers(&self) -> usize {
+        self.layers.len()
     }
 
     pub fn forward(&self, tokens: &[u32], taps: Taps<'_>) -> Result<Tensor> {
         let n = tokens.len();
         let (h, nope, rd, vd) = (self.n_head, self.nope, self.rope_dim, self.v_dim);
-        let mut x = embed(&self.embd, tokens)?;
+        let mut x = self.vocab.embed(tokens)?;
         tap(taps, "embed", &x)?;
         let mask = causal_mask(n, None, x.dtype())?;
         let scale = 1.0 / ((nope + rd) as f64).sqrt();
-        for (i, l) in self.layers.iter().enumerate() {
+        for i in 0..self.layers.len() {
+            let l = self.layers.get(i, |ld, i| self.load_layer(ld, i))?;
             let name = |s: &str| format!("blk.{i}.{s}");
             let a_in = rms_norm(&x, &l.attn_norm, self.eps)?;
             tap(taps, &name("attn_norm"), &a_in)?;
@@ -318,7 +355,7 @@ impl Deepseek2 {
         }
         let x = rms_norm(&x, &self.output_norm, self.eps)?;
         tap(taps, "output_norm", &x)?;
-        let logits = linear(&x, &self.head)?;
+        let logits = self.vocab.logits(&x)?;
         tap(taps, "logits", &logits)?;
         Ok(logits)
     }

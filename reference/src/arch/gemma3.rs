@@ -12,9 +12,11 @@
 //! - GELU(tanh)-gated FFN; tied output head; final logit soft-capping when
 //!   `final_logit_softcapping` is present and positive.
 
+use std::sync::Arc;
+
 use candle_core::Tensor;
 
-use super::{embed, embedding_and_head, Loader};
+use super::{Layers, Loader, Streamer, Vocab};
 use crate::error::ReferenceError;
 use crate::ops::{
     attention, causal_mask, gated_ffn, linear, rms_norm, tap, Activation, Result, Rope, RopeLayout,
@@ -42,6 +44,7 @@ struct Layer {
 
 pub(crate) struct Gemma3 {
     n_embd: usize,
+    n_ff: usize,
     n_head: usize,
     n_head_kv: usize,
     head_dim: usize,
@@ -51,14 +54,15 @@ pub(crate) struct Gemma3 {
     rope_global: Rope,
     rope_local: Rope,
     softcap: Option<f64>,
-    embd: Tensor,
-    head: Weight,
+    vocab: Vocab,
     output_norm: Tensor,
-    layers: Vec<Layer>,
+    layers: Layers<Layer>,
 }
 
 impl Gemma3 {
-    pub fn load(ld: &mut Loader<'_>) -> Result<Self> {
+    /// Read the configuration and the weights (eager), or only check the weights (`src`: the
+    /// streaming model's file, read again layer by layer in [`Gemma3::forward`]).
+    pub fn load(ld: &mut Loader<'_>, src: Option<&Arc<Streamer>>) -> Result<Self> {
         let n_embd = ld.usize("embedding_length")?;
         let n_layer = ld.usize("block_count")?;
         let n_ff = ld.usize("feed_forward_length")?;
@@ -96,29 +100,11 @@ impl Gemma3 {
             freq_scale: 1.0,
         };
         let softcap = ld.f64_opt("final_logit_softcapping")?.filter(|&c| c > 0.0);
-        let (embd, head) = embedding_and_head(ld, n_embd)?;
-        let output_norm = ld.tensor("output_norm.weight", &[n_embd])?;
-        let mut layers = Vec::with_capacity(n_layer);
-        for i in 0..n_layer {
-            let b = |s: &str| format!("blk.{i}.{s}.weight");
-            layers.push(Layer {
-                attn_norm: ld.tensor(&b("attn_norm"), &[n_embd])?,
-                wq: ld.weight(&b("attn_q"), &[n_head * head_dim, n_embd])?,
-                wk: ld.weight(&b("attn_k"), &[n_head_kv * head_dim, n_embd])?,
-                wv: ld.weight(&b("attn_v"), &[n_head_kv * head_dim, n_embd])?,
-                q_norm: ld.tensor(&b("attn_q_norm"), &[head_dim])?,
-                k_norm: ld.tensor(&b("attn_k_norm"), &[head_dim])?,
-                wo: ld.weight(&b("attn_output"), &[n_embd, n_head * head_dim])?,
-                post_attn_norm: ld.tensor(&b("post_attention_norm"), &[n_embd])?,
-                ffn_norm: ld.tensor(&b("ffn_norm"), &[n_embd])?,
-                gate: ld.weight(&b("ffn_gate"), &[n_ff, n_embd])?,
-                up: ld.weight(&b("ffn_up"), &[n_ff, n_embd])?,
-                down: ld.weight(&b("ffn_down"), &[n_embd, n_ff])?,
-                post_ffn_norm: ld.tensor(&b("post_ffw_norm"), &[n_embd])?,
-            });
-        }
-        Ok(Self {
+        let vocab = Vocab::load(ld, n_embd, src)?;
+        let output_norm = ld.resident("output_norm.weight", &[n_embd])?;
+        let mut m = Self {
             n_embd,
+            n_ff,
             n_head,
             n_head_kv,
             head_dim,
@@ -128,20 +114,51 @@ impl Gemma3 {
             rope_global,
             rope_local,
             softcap,
-            embd,
-            head,
+            vocab,
             output_norm,
-            layers,
+            layers: Layers::Eager(Vec::new()),
+        };
+        m.layers = Layers::load(ld, n_layer, src, |ld, i| m.load_layer(ld, i))?;
+        Ok(m)
+    }
+
+    /// The weights of layer `i`.
+    fn load_layer(&self, ld: &mut Loader<'_>, i: usize) -> Result<Layer> {
+        let (n_embd, n_ff, head_dim) = (self.n_embd, self.n_ff, self.head_dim);
+        let (n_head, n_head_kv) = (self.n_head, self.n_head_kv);
+        let b = |s: &str| format!("blk.{i}.{s}.weight");
+        Ok(Layer {
+            attn_norm: ld.tensor(&b("attn_norm"), &[n_embd])?,
+            wq: ld.weight(&b("attn_q"), &[n_head * head_dim, n_embd])?,
+            wk: ld.weight(&b("attn_k"), &[n_head_kv * head_dim, n_embd])?,
+            wv: ld.weight(&b("attn_v"), &[n_head_kv * head_dim, n_embd])?,
+            q_norm: ld.tensor(&b("attn_q_norm"), &[head_dim])?,
+            k_norm: ld.tensor(&b("attn_k_norm"), &[head_dim])?,
+            wo: ld.weight(&b("attn_output"), &[n_embd, n_head * head_dim])?,
+            post_attn_norm: ld.tensor(&b("post_attention_norm"), &[n_embd])?,
+            ffn_norm: ld.tensor(&b("ffn_norm"), &[n_embd])?,
+            gate: ld.weight(&b("ffn_gate"), &[n_ff, n_embd])?,
+            up: ld.weight(&b("ffn_up"), &[n_ff, n_embd])?,
+            down: ld.weight(&b("ffn_down"), &[n_embd, n_ff])?,
+            post_ffn_norm: ld.tensor(&b("post_ffw_norm"), &[n_embd])?,
         })
     }
 
+    pub fn vocab_mut(&mut self) -> &mut Vocab {
+        &mut self.vocab
+    }
+
     pub fn vocab_size(&self) -> usize {
-        self.head.dims()[0]
+        self.vocab.n_vocab()
+    }
+
+    pub fn n_layers(&self) -> usize {
+        self.layers.len()
     }
 
     pub fn forward(&self, tokens: &[u32], taps: Taps<'_>) -> Result<Tensor> {
         let n = tokens.len();
-        let mut x = (embed(&self.embd, tokens)? * (self.n_embd as f64).sqrt())?;
+        let mut x = (self.vocab.embed(tokens)? * (self.n_embd as f64).sqrt())?;
         tap(taps, "embed", &x)?;
         let dtype = x.dtype();
         let global_mask = causal_mask(n, None, dtype)?;
@@ -149,7 +166,8 @@ impl Gemma3 {
             Some(w) => causal_mask(n, Some(w), dtype)?,
             None => global_mask.clone(),
         };
-        for (i, l) in self.layers.iter().enumerate() {
+        for i in 0..self.layers.len() {
+            let l = self.layers.get(i, |ld, i| self.load_layer(ld, i))?;
             let name = |s: &str| format!("blk.{i}.{s}");
             let is_global = i % SWA_PATTERN == SWA_PATTERN - 1 || self.sliding_window.is_none();
             let (rope, mask) = if is_global {
@@ -182,10 +200,11 @@ impl Gemma3 {
         }
         let x = rms_norm(&x, &self.output_norm, self.eps)?;
         tap(taps, "output_norm", &x)?;
-        let mut logits = linear(&x, &self.head)?;
-        if let Some(cap) = self.softcap {
-            logits = ((logits / cap)?.tanh()? * cap)?;
-        }
+        // soft-capping is elementwise: applied to each chunk of head rows as it is computed
+        let logits = self.vocab.logits_with(&x, |l| match self.softcap {
+            Some(cap) => Ok(((l / cap)?.tanh()? * cap)?),
+            None => Ok(l),
+        })?;
         tap(taps, "logits", &logits)?;
         Ok(logits)
     }

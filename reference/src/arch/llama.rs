@@ -4,9 +4,11 @@
 //! `h = x + Wo·attn(rope(Wq·n), rope(Wk·n), Wv·n)` with `n = rmsnorm(x)·attn_norm`, scale
 //! `1/√head_dim`; then `out = h + down(silu(gate·m) ⊙ up·m)` with `m = rmsnorm(h)·ffn_norm`.
 
+use std::sync::Arc;
+
 use candle_core::Tensor;
 
-use super::{embed, embedding_and_head, Loader};
+use super::{Layers, Loader, Streamer, Vocab};
 use crate::ops::{
     attention, causal_mask, gated_ffn, linear, rms_norm, tap, Activation, Result, Rope, RopeLayout,
     Taps, Weight,
@@ -25,20 +27,23 @@ struct Layer {
 }
 
 pub(crate) struct Llama {
+    n_embd: usize,
+    n_ff: usize,
     n_head: usize,
     n_head_kv: usize,
     head_dim_k: usize,
     head_dim_v: usize,
     eps: f64,
     rope: Rope,
-    embd: Tensor,
-    head: Weight,
+    vocab: Vocab,
     output_norm: Tensor,
-    layers: Vec<Layer>,
+    layers: Layers<Layer>,
 }
 
 impl Llama {
-    pub fn load(ld: &mut Loader<'_>) -> Result<Self> {
+    /// Read the configuration and the weights (eager), or only check the weights (`src`: the
+    /// streaming model's file, read again layer by layer in [`Llama::forward`]).
+    pub fn load(ld: &mut Loader<'_>, src: Option<&Arc<Streamer>>) -> Result<Self> {
         let n_embd = ld.usize("embedding_length")?;
         let n_layer = ld.usize("block_count")?;
         let n_ff = ld.usize("feed_forward_length")?;
@@ -54,48 +59,64 @@ impl Llama {
             base: ld.f64_opt("rope.freq_base")?.unwrap_or(10_000.0),
             freq_scale: ld.rope_freq_scale()?,
         };
-        let (embd, head) = embedding_and_head(ld, n_embd)?;
-        let output_norm = ld.tensor("output_norm.weight", &[n_embd])?;
-        let mut layers = Vec::with_capacity(n_layer);
-        for i in 0..n_layer {
-            let b = |s: &str| format!("blk.{i}.{s}.weight");
-            layers.push(Layer {
-                attn_norm: ld.tensor(&b("attn_norm"), &[n_embd])?,
-                wq: ld.weight(&b("attn_q"), &[n_head * head_dim_k, n_embd])?,
-                wk: ld.weight(&b("attn_k"), &[n_head_kv * head_dim_k, n_embd])?,
-                wv: ld.weight(&b("attn_v"), &[n_head_kv * head_dim_v, n_embd])?,
-                wo: ld.weight(&b("attn_output"), &[n_embd, n_head * head_dim_v])?,
-                ffn_norm: ld.tensor(&b("ffn_norm"), &[n_embd])?,
-                gate: ld.weight(&b("ffn_gate"), &[n_ff, n_embd])?,
-                up: ld.weight(&b("ffn_up"), &[n_ff, n_embd])?,
-                down: ld.weight(&b("ffn_down"), &[n_embd, n_ff])?,
-            });
-        }
-        Ok(Self {
+        let vocab = Vocab::load(ld, n_embd, src)?;
+        let output_norm = ld.resident("output_norm.weight", &[n_embd])?;
+        let mut m = Self {
+            n_embd,
+            n_ff,
             n_head,
             n_head_kv,
             head_dim_k,
             head_dim_v,
             eps,
             rope,
-            embd,
-            head,
+            vocab,
             output_norm,
-            layers,
+            layers: Layers::Eager(Vec::new()),
+        };
+        m.layers = Layers::load(ld, n_layer, src, |ld, i| m.load_layer(ld, i))?;
+        Ok(m)
+    }
+
+    /// The weights of layer `i`.
+    fn load_layer(&self, ld: &mut Loader<'_>, i: usize) -> Result<Layer> {
+        let (n_embd, n_ff) = (self.n_embd, self.n_ff);
+        let (n_head, n_head_kv) = (self.n_head, self.n_head_kv);
+        let (head_dim_k, head_dim_v) = (self.head_dim_k, self.head_dim_v);
+        let b = |s: &str| format!("blk.{i}.{s}.weight");
+        Ok(Layer {
+            attn_norm: ld.tensor(&b("attn_norm"), &[n_embd])?,
+            wq: ld.weight(&b("attn_q"), &[n_head * head_dim_k, n_embd])?,
+            wk: ld.weight(&b("attn_k"), &[n_head_kv * head_dim_k, n_embd])?,
+            wv: ld.weight(&b("attn_v"), &[n_head_kv * head_dim_v, n_embd])?,
+            wo: ld.weight(&b("attn_output"), &[n_embd, n_head * head_dim_v])?,
+            ffn_norm: ld.tensor(&b("ffn_norm"), &[n_embd])?,
+            gate: ld.weight(&b("ffn_gate"), &[n_ff, n_embd])?,
+            up: ld.weight(&b("ffn_up"), &[n_ff, n_embd])?,
+            down: ld.weight(&b("ffn_down"), &[n_embd, n_ff])?,
         })
     }
 
+    pub fn vocab_mut(&mut self) -> &mut Vocab {
+        &mut self.vocab
+    }
+
     pub fn vocab_size(&self) -> usize {
-        self.head.dims()[0]
+        self.vocab.n_vocab()
+    }
+
+    pub fn n_layers(&self) -> usize {
+        self.layers.len()
     }
 
     pub fn forward(&self, tokens: &[u32], taps: Taps<'_>) -> Result<Tensor> {
         let n = tokens.len();
-        let mut x = embed(&self.embd, tokens)?;
+        let mut x = self.vocab.embed(tokens)?;
         tap(taps, "embed", &x)?;
         let mask = causal_mask(n, None, x.dtype())?;
         let scale = 1.0 / (self.head_dim_k as f64).sqrt();
-        for (i, l) in self.layers.iter().enumerate() {
+        for i in 0..self.layers.len() {
+            let l = self.layers.get(i, |ld, i| self.load_layer(ld, i))?;
             let name = |s: &str| format!("blk.{i}.{s}");
             let h = rms_norm(&x, &l.attn_norm, self.eps)?;
             tap(taps, &name("attn_norm"), &h)?;
@@ -121,7 +142,7 @@ impl Llama {
         }
         let x = rms_norm(&x, &self.output_norm, self.eps)?;
         tap(taps, "output_norm", &x)?;
-        let logits = linear(&x, &self.head)?;
+        let logits = self.vocab.logits(&x)?;
         tap(taps, "logits", &logits)?;
         Ok(logits)
     }

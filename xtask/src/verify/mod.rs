@@ -2,10 +2,15 @@
 //! candle reference tap by tap, coherence gates, throughput gates — with the rest reported as
 //! skipped and why. Writes `report.json`, `report.md` (with NMSE-by-layer plots) and `junit.xml`
 //! under `target/verify/`; exits non-zero on any failure.
+//!
+//! `cargo xtask verify --model FILE` runs the same case runner on one file instead of the matrix,
+//! with the reference streaming layer by layer and its peak memory measured ([`model_file`]).
 
 mod faults;
 mod isolate;
+mod model_file;
 mod models;
+mod rss;
 mod run_case;
 mod serve_case;
 mod spec_case;
@@ -53,6 +58,14 @@ pub struct Args {
     /// Where the reports go
     #[arg(long, default_value = "target/verify")]
     pub out: PathBuf,
+    /// Verify this GGUF file (a single file, or any shard of a split set) instead of the matrix:
+    /// the engine's best CPU backend against the streaming reference, with the reference's peak
+    /// memory reported
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["faults", "filter", "only", "exclude", "update_baselines"])]
+    pub model: Option<PathBuf>,
+    /// With --model: teacher-forced tokens of the fixed text (default 64)
+    #[arg(long, value_name = "N", requires = "model")]
+    pub tokens: Option<usize>,
 }
 
 pub fn run(args: Args) -> Result<()> {
@@ -72,7 +85,10 @@ pub fn run(args: Args) -> Result<()> {
     if let Some(f) = fault {
         eprintln!("fault injected: {f}");
     }
-    let report = verify(&args)?;
+    let report = match &args.model {
+        Some(path) => model_file::verify(&args, path)?,
+        None => verify(&args)?,
+    };
     if report.has_failures() {
         bail!("verify failed: {}", report.summary());
     }
@@ -130,10 +146,12 @@ pub fn verify(args: &Args) -> Result<Report> {
             report.push(CaseResult::error(&name, "no model file for this case"));
             continue;
         };
+        // A split set of the real model is the real model (its budget and gates).
+        let real = case.model.split('@').next() == Some(models::REAL_MODEL);
         let env = run_case::CaseEnv {
             path,
-            // A split set of the real model is the real model (its budget and gates).
-            real: case.model.split('@').next() == Some(models::REAL_MODEL),
+            real,
+            budget: run_case::Budget::for_model(real),
             threads,
             policy: &policy,
             baselines: &baselines,
@@ -159,7 +177,6 @@ pub fn verify(args: &Args) -> Result<Report> {
         report.push(result);
     }
 
-    let written = report.write_all(&args.out).context("writing the reports")?;
     if updated {
         baselines.save(&baselines_path)?;
         eprintln!(
@@ -167,10 +184,18 @@ pub fn verify(args: &Args) -> Result<Report> {
             baselines_path.display()
         );
     }
+    publish(args, &report, started)?;
+    Ok(report)
+}
+
+/// Write `target/verify/report.{json,md}`, `junit.xml` and the plots, then print the table (or
+/// the JSON with `--json`) on stdout.
+fn publish(args: &Args, report: &Report, started: Instant) -> Result<()> {
+    let written = report.write_all(&args.out).context("writing the reports")?;
     if args.json {
         println!("{}", report.to_json()?);
     } else {
-        print!("{}", harness::report::console_table(&report));
+        print!("{}", harness::report::console_table(report));
         println!(
             "reports: {}, {}, {}",
             written.markdown.display(),
@@ -179,5 +204,5 @@ pub fn verify(args: &Args) -> Result<Report> {
         );
         println!("{:.0} s", started.elapsed().as_secs_f64());
     }
-    Ok(report)
+    Ok(())
 }

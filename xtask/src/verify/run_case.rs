@@ -18,14 +18,14 @@ use harness::tap::Tap;
 use harness::throughput::{self, Baseline, Baselines};
 use harness::tolerance::{Numerics, TolerancePolicy};
 use kernels::cpu::Isa;
-use reference::{Precision, ReferenceModel};
+use reference::{Footprint, Precision, ReferenceModel, Residency};
 
 use super::isolate::Isolating;
 
 /// The fixed English text every case is teacher-forced on (public domain, golden/data/README.md).
-const TEXT: &str = include_str!("../../../golden/data/pride_and_prejudice_ch1.txt");
+pub const TEXT: &str = include_str!("../../../golden/data/pride_and_prejudice_ch1.txt");
 /// Greedy continuation prompt for the coherence gates.
-const PROMPT: &str = "The capital of France is";
+pub const PROMPT: &str = "The capital of France is";
 
 /// How much work a case does; the real model gets more tokens than the tiny fixtures need.
 #[derive(Clone, Copy)]
@@ -69,7 +69,6 @@ pub struct ReferenceRun {
     pub taps: Vec<Tap>,
     /// The exact-numerics reference's taps on the same tokens (reference::Precision::Exact).
     pub exact_taps: Vec<Tap>,
-    pub logits: Vec<f32>,
     pub n_vocab: usize,
     pub greedy: Vec<u32>,
     /// The reference's logits at each greedy step (`n_greedy × n_vocab`).
@@ -81,6 +80,70 @@ pub struct ReferenceRun {
     pub bos: Option<Option<u32>>,
     /// The `golden` gate: the reference's summary against its pinned snapshot.
     pub golden: GateResult,
+    /// The model's f32 size, whole and per layer, as the reference counts it.
+    pub footprint: Footprint,
+}
+
+impl ReferenceRun {
+    /// Bytes of reference output this run holds (taps of both precisions, greedy rows).
+    pub fn held_bytes(&self) -> usize {
+        let taps = |t: &[Tap]| t.iter().map(|t| t.data.len()).sum::<usize>();
+        4 * (taps(&self.taps) + taps(&self.exact_taps) + self.greedy_rows.len())
+    }
+
+    /// The f32 reference's logits, `[tokens × n_vocab]`: its `logits` tap (kept once).
+    pub fn logits(&self) -> &[f32] {
+        self.taps
+            .iter()
+            .rev()
+            .find(|t| t.name == "logits")
+            .map_or(&[], |t| t.data.as_slice())
+    }
+}
+
+/// Where the reference reads a model from.
+#[derive(Clone, Copy)]
+pub enum RefSource<'a> {
+    /// A file (a shard of a split set opens the whole set beside it).
+    File(&'a Path),
+    /// A split set's shards in a listing order (placed by `split.no`, read in place), and the
+    /// single file it was written from (whose golden snapshot judges the reference).
+    Listed {
+        shards: &'a [PathBuf],
+        single: &'a Path,
+    },
+}
+
+impl RefSource<'_> {
+    /// The cache key: the file, or the first shard as listed.
+    fn key(&self) -> &Path {
+        match self {
+            RefSource::File(p) => p,
+            RefSource::Listed { shards, single } => shards.first().map_or(*single, |p| p.as_path()),
+        }
+    }
+
+    fn golden_path(&self) -> &Path {
+        match self {
+            RefSource::File(p) => p,
+            RefSource::Listed { single, .. } => single,
+        }
+    }
+
+    fn open(&self, precision: Precision, residency: Residency) -> Result<ReferenceModel> {
+        match self {
+            RefSource::File(p) => ReferenceModel::open(p, precision, residency)
+                .with_context(|| format!("loading {} in the reference", p.display())),
+            RefSource::Listed { shards, .. } => {
+                ReferenceModel::open_listed(shards, precision, residency).with_context(|| {
+                    format!(
+                        "loading the split set {} in the reference",
+                        self.key().display()
+                    )
+                })
+            }
+        }
+    }
 }
 
 /// Reference runs by model file, computed on first use.
@@ -88,9 +151,16 @@ pub struct ReferenceRun {
 pub struct ReferenceCache(HashMap<PathBuf, ReferenceRun>);
 
 impl ReferenceCache {
-    pub fn get(&mut self, path: &Path, budget: Budget, real: bool) -> Result<&ReferenceRun> {
+    /// Use `run` for `path` (computed beforehand, e.g. in a phase of its own).
+    pub fn insert(&mut self, path: &Path, run: ReferenceRun) {
+        self.0.insert(path.to_owned(), run);
+    }
+
+    pub fn get(&mut self, src: RefSource<'_>, budget: Budget, real: bool) -> Result<&ReferenceRun> {
+        let path = src.key();
         if !self.0.contains_key(path) {
-            let run = reference_run(path, budget, real)?;
+            let mut run = reference_run(src, budget, Residency::Eager)?;
+            run.golden = golden_gate(src.golden_path(), real)?;
             self.0.insert(path.to_owned(), run);
         }
         self.0
@@ -116,7 +186,7 @@ pub(super) fn argmax(row: &[f32]) -> u32 {
 /// The `golden` gate: the reference's summary of this model now against the snapshot pinned in
 /// `golden/tests/snapshots/` (a reference that drifted is a failure of its own, whatever the engine
 /// does). A model without a snapshot is "not judged".
-fn golden_gate(path: &Path, real: bool) -> Result<GateResult> {
+pub fn golden_gate(path: &Path, real: bool) -> Result<GateResult> {
     let stem = path
         .file_stem()
         .map(|s| s.to_string_lossy().into_owned())
@@ -168,10 +238,21 @@ fn golden_gate(path: &Path, real: bool) -> Result<GateResult> {
     ))
 }
 
-fn reference_run(path: &Path, budget: Budget, real: bool) -> Result<ReferenceRun> {
-    let golden = golden_gate(path, real)?;
-    let model = ReferenceModel::load(path, Precision::F32)
-        .with_context(|| format!("loading {} in the reference", path.display()))?;
+/// The reference's side of a case: both tokenizations, the teacher-forced forward pass in f32 and
+/// in exact numerics, and the greedy continuation, with the weights held as `residency` says.
+/// The `golden` gate is left "not judged" for the caller to fill in ([`golden_gate`]).
+pub fn reference_run(
+    src: RefSource<'_>,
+    budget: Budget,
+    residency: Residency,
+) -> Result<ReferenceRun> {
+    let model = src.open(Precision::F32, residency)?;
+    // A streaming pass over a large model takes minutes: say where it is (stderr).
+    let progress = Progress {
+        on: residency == Residency::Streaming,
+        n_layers: model.n_layers(),
+    };
+    let footprint = model.footprint().clone();
     let n_vocab = model.vocab_size();
     // The reference's own tokenizer (reference/src/tokenizer.rs), sharing nothing with the
     // engine's: the `tokens` gate compares the two.
@@ -181,11 +262,19 @@ fn reference_run(path: &Path, budget: Budget, real: bool) -> Result<ReferenceRun
         .context("reference: tokenizing the fixed text")?;
     let tokens = truncate_text(&text_ids, budget.n_text)?;
     let mut taps = Vec::new();
-    let logits = model
+    // The returned logits are the `logits` tap's values; only the tap is kept.
+    let logits_len = model
         .forward(&tokens, &mut |name, shape, data| {
+            progress.tap("f32 pass", name);
             taps.push(Tap::new(name, shape.to_vec(), data.to_vec()))
         })
-        .context("reference forward pass")?;
+        .context("reference forward pass")?
+        .len();
+    anyhow::ensure!(
+        taps.iter()
+            .any(|t| t.name == "logits" && t.data.len() == logits_len),
+        "the reference emitted no `logits` tap of {logits_len} values"
+    );
     // Greedy continuation without a KV cache: one full forward per new token (slow, obvious).
     let prompt = tok
         .encode(PROMPT, true, false)
@@ -193,9 +282,10 @@ fn reference_run(path: &Path, budget: Budget, real: bool) -> Result<ReferenceRun
     let mut seq = prompt.clone();
     let mut greedy = Vec::new();
     let mut greedy_rows = Vec::new();
-    for _ in 0..budget.n_greedy {
+    for step in 0..budget.n_greedy {
+        let pass = format!("greedy step {}/{}", step + 1, budget.n_greedy);
         let logits = model
-            .forward(&seq, &mut |_, _, _| {})
+            .forward(&seq, &mut |name, _, _| progress.tap(&pass, name))
             .context("reference greedy step")?;
         let row = &logits[logits.len() - n_vocab..];
         let next = argmax(row);
@@ -207,11 +297,13 @@ fn reference_run(path: &Path, budget: Budget, real: bool) -> Result<ReferenceRun
     drop(model);
     // The exact-numerics reference on the same tokens (loaded after the f32 one is dropped, so
     // that one copy of the dequantized weights is in memory at a time).
-    let exact = ReferenceModel::load(path, Precision::Exact)
-        .with_context(|| format!("loading {} in the exact-numerics reference", path.display()))?;
+    let exact = src
+        .open(Precision::Exact, residency)
+        .context("the exact-numerics reference")?;
     let mut exact_taps = Vec::new();
     exact
         .forward(&tokens, &mut |name, shape, data| {
+            progress.tap("exact-numerics pass", name);
             exact_taps.push(Tap::new(name, shape.to_vec(), data.to_vec()))
         })
         .context("exact-numerics reference forward pass")?;
@@ -220,14 +312,49 @@ fn reference_run(path: &Path, budget: Budget, real: bool) -> Result<ReferenceRun
         tokens,
         taps,
         exact_taps,
-        logits,
         n_vocab,
         greedy,
         greedy_rows,
         prompt,
         bos,
-        golden,
+        golden: GateResult::not_judged("golden", 0.0, "not computed".to_owned()),
+        footprint,
     })
+}
+
+/// Progress of the reference's passes on stderr: one line per pass, rewritten at each layer
+/// when stderr is a terminal.
+struct Progress {
+    on: bool,
+    n_layers: usize,
+}
+
+impl Progress {
+    fn tap(&self, pass: &str, name: &str) {
+        use std::io::IsTerminal;
+        if !self.on {
+            return;
+        }
+        if !std::io::stderr().is_terminal() {
+            if name == "logits" {
+                eprintln!("      reference {pass}: done");
+            }
+            return;
+        }
+        let layer = name
+            .strip_prefix("blk.")
+            .and_then(|r| r.strip_suffix(".out"))
+            .and_then(|i| i.parse::<usize>().ok());
+        if let Some(i) = layer {
+            eprint!(
+                "\r      reference {pass}: layer {}/{}",
+                i + 1,
+                self.n_layers
+            );
+        } else if name == "logits" {
+            eprintln!("\r      reference {pass}: done{:20}", "");
+        }
+    }
 }
 
 pub fn isa_of(backend: Backend) -> Option<Isa> {
@@ -241,7 +368,10 @@ pub fn isa_of(backend: Backend) -> Option<Isa> {
 
 pub struct CaseEnv<'a> {
     pub path: &'a Path,
+    /// A real model (not a fixture's random weights): judged for degeneracy, and benched.
     pub real: bool,
+    /// How many tokens the case feeds ([`Budget::for_model`] unless `verify --model` says).
+    pub budget: Budget,
     pub threads: usize,
     pub policy: &'a TolerancePolicy,
     pub baselines: &'a Baselines,
@@ -288,9 +418,15 @@ pub fn run(
         Some(e) => e,
         None => &engine,
     };
-    let budget = Budget::for_model(env.real);
-    let ref_path = split.as_ref().map_or(env.path, |s| s.merged.as_path());
-    let reference = refs.get(ref_path, budget, env.real)?;
+    let budget = env.budget;
+    let ref_src = match &split {
+        Some(s) => RefSource::Listed {
+            shards: &s.listing,
+            single: &s.single,
+        },
+        None => RefSource::File(env.path),
+    };
+    let reference = refs.get(ref_src, budget, env.real)?;
     let n_vocab = reference.n_vocab;
 
     // Each side tokenizes with its own tokenizer; the `tokens` gate requires the same ids.
@@ -358,7 +494,7 @@ pub fn run(
     // Logit agreement over the text: position t predicts token t+1.
     let n_pos = reference.tokens.len() - 1;
     let stats = coherence::logit_agreement(
-        &reference.logits[..n_pos * n_vocab],
+        &reference.logits()[..n_pos * n_vocab],
         &logits.data[..n_pos * n_vocab],
         n_vocab,
         &reference.tokens[1..],
@@ -371,7 +507,7 @@ pub fn run(
         .find(|t| t.name == "logits")
         .map(|t| {
             coherence::logit_agreement(
-                &reference.logits[..n_pos * n_vocab],
+                &reference.logits()[..n_pos * n_vocab],
                 &t.data[..n_pos * n_vocab],
                 n_vocab,
                 &reference.tokens[1..],

@@ -14,7 +14,7 @@ use harness::gate::GateResult;
 use harness::report::{CaseResult, Figure};
 use serde_json::{json, Value};
 
-use super::run_case::{Budget, CaseEnv, ReferenceCache};
+use super::run_case::{CaseEnv, RefSource, ReferenceCache};
 use crate::serve_bench;
 
 /// Alternatives asked per token: enough to hold the reference's token at a near-tie (the tie
@@ -30,11 +30,11 @@ pub fn run(case: &Case, env: &CaseEnv<'_>, refs: &mut ReferenceCache) -> Result<
             "the server runs on CPU backends only",
         ));
     };
-    let budget = Budget::for_model(env.real);
+    let budget = env.budget;
     let model = Model::load(env.path).with_context(|| format!("loading {}", env.path.display()))?;
     let n_vocab = model.config().n_vocab;
     drop(model);
-    let reference = refs.get(env.path, budget, env.real)?;
+    let reference = refs.get(RefSource::File(env.path), budget, env.real)?;
 
     let bin = serve_bench::build_plumbline()?;
     let extra: Vec<String> = vec![

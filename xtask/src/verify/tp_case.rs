@@ -10,14 +10,14 @@
 //! - **Split-set cases** (`MODEL@split-ORDER/…`): the model is written as a split set with the
 //!   engine's GGUF writer (shard 0: metadata and the global tensors; shard k: layer k−1) and
 //!   listed to the engine in ORDER (`021`: shards 0, 2, 1; `rev`: reversed), which must place
-//!   the shards by `split.no`. The reference reads the same listing through its own plain merge
-//!   (`reference::split`). A gate requires the logits to equal the single file's bit for bit.
+//!   the shards by `split.no`. The reference reads the same listing in place with its own reader
+//!   (`ReferenceModel::open_listed`), which places them by `split.no` too. A gate requires the
+//!   logits to equal the single file's bit for bit.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{anyhow, bail, Context, Result};
-use engine::gguf::{split_path, Gguf, GgufWriter, MetadataValue};
 use engine::model::Model;
 use engine::runtime::{Batch, CpuBackend, Engine, KvCache, Logits, Session};
 use engine::taps::TapObserver;
@@ -69,10 +69,9 @@ pub fn extend(cases: &mut Vec<Case>, models: &mut Models, machine: &mut MachineC
     add_split((REAL_MODEL, REAL_WEIGHTS), "rev", cases);
 }
 
-/// A split-set case's files: the shards as listed to the engine, and the reference's merge.
+/// A split-set case's files: the shards as listed to the engine (and to the reference).
 pub struct SplitSource {
     pub listing: Vec<PathBuf>,
-    pub merged: PathBuf,
     /// The single file the set was written from.
     pub single: PathBuf,
 }
@@ -84,52 +83,12 @@ fn split_order(model: &str) -> Option<&str> {
 
 /// Write `single` as a split set by layer under `dir`; the shard paths in shard order.
 fn write_by_layer(single: &Path, dir: &Path) -> Result<Vec<PathBuf>> {
-    let g = Gguf::open(single).with_context(|| format!("opening {}", single.display()))?;
-    let layer_of = |name: &str| -> Option<usize> {
-        name.strip_prefix("blk.")?.split_once('.')?.0.parse().ok()
-    };
-    let n_layers = g
-        .tensors()
-        .iter()
-        .filter_map(|t| layer_of(&t.name))
-        .max()
-        .map_or(0, |l| l + 1);
-    let count = u16::try_from(n_layers + 1).context("too many layers for a split set")?;
-    let total = i32::try_from(g.tensors().len()).context("too many tensors")?;
-    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    let prefix = dir.join("model");
-    let mut paths = Vec::new();
-    for no in 0..count {
-        let mut w = GgufWriter::new();
-        w.add_metadata("split.no", MetadataValue::U16(no));
-        w.add_metadata("split.count", MetadataValue::U16(count));
-        w.add_metadata("split.tensors.count", MetadataValue::I32(total));
-        if no == 0 {
-            for (k, v) in g.metadata() {
-                if !k.starts_with("split.") {
-                    w.add_metadata(k, v.clone());
-                }
-            }
-        }
-        let want = if no == 0 {
-            None
-        } else {
-            Some(usize::from(no) - 1)
-        };
-        for t in g.tensors().iter().filter(|t| layer_of(&t.name) == want) {
-            w.add_tensor(&t.name, t.ggml_type, &t.dims, g.tensor_data(t).to_vec())
-                .with_context(|| format!("adding {}", t.name))?;
-        }
-        let p = split_path(&prefix, no, count);
-        w.write(&p)
-            .with_context(|| format!("writing {}", p.display()))?;
-        paths.push(p);
-    }
-    Ok(paths)
+    golden::split::write_by_layer(single, &dir.join("model"))
+        .with_context(|| format!("writing {} as a split set", single.display()))
 }
 
-/// For a split-set case, write the set (engine writer), list it in the case's order and merge it
-/// for the reference (its own merge); `None` for any other case.
+/// For a split-set case, write the set (engine writer) and list it in the case's order; `None`
+/// for any other case.
 pub fn split_source(case: &Case, single: &Path) -> Result<Option<SplitSource>> {
     let Some(order) = split_order(&case.model) else {
         return Ok(None);
@@ -157,12 +116,8 @@ pub fn split_source(case: &Case, single: &Path) -> Result<Option<SplitSource>> {
         }
         idx.iter().map(|&i| shards[i].clone()).collect()
     };
-    let merged = dir.join("reference-merged.gguf");
-    reference::split::merge(&listing, &merged)
-        .with_context(|| format!("reference merge of {}", dir.display()))?;
     Ok(Some(SplitSource {
         listing,
-        merged,
         single: single.to_path_buf(),
     }))
 }
