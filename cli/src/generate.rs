@@ -124,9 +124,29 @@ pub struct SpecArgs {
     /// Keep the budget fixed instead of choosing it per round from measured cost and acceptance
     #[arg(long)]
     pub fixed_budget: bool,
-    /// Compute head rows for the drafter's best chain first, others on demand (default: all)
-    #[arg(long)]
-    pub chain_head: bool,
+    /// Which head rows a verify computes: auto (measured at the start: the best chain in one
+    /// pass where the head's cost grows slowly with its rows, else only the rows the walk
+    /// visits), chain, or visited
+    #[arg(long, value_enum, default_value_t = HeadRowsArg::Auto)]
+    pub head_rows: HeadRowsArg,
+}
+
+/// `--head-rows`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum HeadRowsArg {
+    Auto,
+    Chain,
+    Visited,
+}
+
+impl HeadRowsArg {
+    pub fn plan(self) -> HeadRows {
+        match self {
+            HeadRowsArg::Auto => HeadRows::Auto,
+            HeadRowsArg::Chain => HeadRows::Chain,
+            HeadRowsArg::Visited => HeadRows::Visited,
+        }
+    }
 }
 
 /// A parsed `--draft`.
@@ -167,9 +187,7 @@ impl SpecArgs {
             cfg.shape.max_depth = d;
         }
         cfg.adaptive = !self.fixed_budget;
-        if self.chain_head {
-            cfg.head_rows = HeadRows::Chain;
-        }
+        cfg.head_rows = self.head_rows.plan();
         cfg
     }
 }

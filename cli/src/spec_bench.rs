@@ -36,10 +36,9 @@ pub struct Args {
     /// Repetitions of each run (the fastest counts)
     #[arg(long, default_value_t = 1)]
     pub reps: usize,
-    /// Compute the head for the drafter's best chain in one pass (instead of only the rows the
-    /// walk visits, one pass each)
-    #[arg(long)]
-    pub chain_head: bool,
+    /// Which head rows a verify computes (auto: measured, chain or visited; see `generate`)
+    #[arg(long, value_enum, default_value_t = crate::generate::HeadRowsArg::Auto)]
+    pub head_rows: crate::generate::HeadRowsArg,
     #[command(flatten)]
     pub run: RunArgs,
     #[arg(long)]
@@ -186,9 +185,7 @@ pub fn run(args: Args) -> Result<()> {
                         c
                     }
                 };
-                if args.chain_head {
-                    cfg.head_rows = spec::HeadRows::Chain;
-                }
+                cfg.head_rows = args.head_rows.plan();
                 if let Draft::SelfLayers(_) | Draft::Model(_) = draft {
                     // A model drafter runs one forward per depth: a shallow tree.
                     cfg.shape.max_depth = 4;

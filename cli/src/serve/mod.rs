@@ -187,9 +187,9 @@ pub fn run(args: Args) -> Result<()> {
     if args.tp == 0 {
         bail!("--tp must be at least 1, found 0");
     }
-    if args.spec.spec.is_some() && args.spec.chain_head {
+    if args.spec.spec.is_some() && args.spec.head_rows != crate::generate::HeadRowsArg::Auto {
         bail!(
-            "--chain-head does not apply to the server: it computes every tree node's head row \
+            "--head-rows does not apply to the server: it computes every tree node's head row \
              in the batch's one forward"
         );
     }

@@ -158,7 +158,7 @@ fn bad_engine_settings_are_refused_before_loading() {
             &["--spec", "tree", "--budget", "4", "--tree-top-k", "0"][..],
             "top-k",
         ),
-        (&["--spec", "tree", "--chain-head"][..], "--chain-head"),
+        (&["--spec", "tree", "--head-rows", "chain"][..], "--head-rows"),
     ] {
         let out = std::process::Command::new(support::bin())
             .arg("serve")

@@ -25,6 +25,10 @@ pub enum HeadRows {
     /// Exactly the nodes the walk visits, one pass each (best where a head pass costs in
     /// proportion to its rows, as on a CPU whose head product is compute-bound).
     Visited,
+    /// Chain or Visited, whichever the backend's head pays for: chosen by
+    /// [`super::choose_head_rows`] from a measurement at the start of a generation. If it
+    /// reaches a verify unresolved, it acts as Visited.
+    Auto,
 }
 
 /// The verify batch of `tree` for sequence `seq` whose next position is `start`.
@@ -80,7 +84,7 @@ pub fn verify<'t, 'm, B: Backend + 'm>(
     let first = match plan {
         HeadRows::All => (0..tree.len()).collect(),
         HeadRows::Chain => best_chain(tree, 0),
-        HeadRows::Visited => vec![0],
+        HeadRows::Visited | HeadRows::Auto => vec![0],
     };
     v.compute(engine, first)?;
     Ok(v)
@@ -132,7 +136,7 @@ impl<B: Backend> Verified<'_, B> {
         }
         if !self.logits.contains_key(&node) {
             let rows = match self.plan {
-                HeadRows::All | HeadRows::Visited => vec![node],
+                HeadRows::All | HeadRows::Visited | HeadRows::Auto => vec![node],
                 HeadRows::Chain => best_chain(self.tree, node),
             };
             self.compute(engine, rows)?;
