@@ -371,11 +371,22 @@ mod tests {
         let dir = tempfile::tempdir().expect("temp dir");
         let models = models::discover(dir.path()).expect("writing the fixtures");
         let mut out = Vec::new();
-        for m in models.entries.iter().filter(|m| m.source == ModelSource::Fixture) {
-            let w = m.weights.first().expect("a fixture model has a weight type");
+        for m in models
+            .entries
+            .iter()
+            .filter(|m| m.source == ModelSource::Fixture)
+        {
+            let w = m
+                .weights
+                .first()
+                .expect("a fixture model has a weight type");
             let path = &models.paths[&(m.name.clone(), w.clone())];
             let model = Model::load(path).expect("loading the fixture");
-            let arch = model.gguf().architecture().expect("architecture").to_owned();
+            let arch = model
+                .gguf()
+                .architecture()
+                .expect("architecture")
+                .to_owned();
             let plan = ShardPlan::for_gguf(model.config(), model.gguf(), 8)
                 .unwrap_or_else(|e| panic!("{}/{w}: no TP 8 plan: {e}", m.name));
             out.push((format!("{}/{w}", m.name), arch, plan));
@@ -413,7 +424,9 @@ mod tests {
             }
             .unwrap_or_else(|| panic!("{model}: no query projection"));
             assert_eq!(q.placement, Placement::Column, "{model}: {}", q.tensor.name);
-            let out = plan.tensor("blk.0.attn_output.weight").expect("attn_output");
+            let out = plan
+                .tensor("blk.0.attn_output.weight")
+                .expect("attn_output");
             assert_eq!(out.placement, Placement::Row, "{model}: attn_output");
             if let Some(k) = plan.tensor("blk.0.attn_k.weight") {
                 match k.placement {
@@ -446,7 +459,10 @@ mod tests {
             }
         }
         assert!(kv_split, "some fixture splits 8 KV heads over 8 ranks");
-        assert!(kv_replicated, "some fixture replicates a KV head over ranks");
+        assert!(
+            kv_replicated,
+            "some fixture replicates a KV head over ranks"
+        );
         assert!(
             cut_fallback,
             "some fixture falls back to replication where a split would cut a block"
