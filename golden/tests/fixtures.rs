@@ -11,14 +11,14 @@ use sha2::{Digest, Sha256};
 /// what is written. Review the cause, then update the hash.
 #[rustfmt::skip]
 const PINNED: &[(&str, &str)] = &[
-    ("llama-f16", "377e4688123a37e4aa0afa5d3afef783bffeff22b7ed6db95cc9b0ed18f6a9b8"), // 267232 bytes
-    ("llama-q8_0", "e8d0f4249eb571a5e0dec082c7a30b9ccd574d9622d7688adf781c712b11b654"), // 147872 bytes
-    ("llama-q4_0", "ffda1c03be863c090d6a0382576f25b59fc1dab92ddc2d1330e65a005c77c237"), // 69024 bytes
+    ("llama-f16", "458208ce0220902e95b56e86a866d1b3ffc747a6b4e609825d9b673b5821f141"), // 414688 bytes
+    ("llama-q8_0", "460bb3f741c093b3a6a5003403c7f97c26de5d6eebfd067a9c862ce8116e8244"), // 226208 bytes
+    ("llama-q4_0", "418287e999c06d19d9661b8fe360c8542438bd9ea5d26d6dfe47e1420252322d"), // 110496 bytes
     ("llama-q4_k_m", "0783b529561797ec558126f2fe1da3e178a750d309008d8b825b36bd2fca8781"), // 1049760 bytes
     ("llama-mix-all", "83f965dbea6fe27514b5d432bfba40b6bf64038c9a7845be6c9646c03e6b7198"), // 2424640 bytes
-    ("gemma3-q4_k_m", "ef5d01da11683706e2273ac520f2635b57f7fdda9bba9e9ff0bb811524c7b9f9"), // 3123392 bytes
-    ("deepseek2-q4_k", "19c3db5b3e2ebfe2447142ef980491c22d1de4adbcbb503d57d39a65b1e94642"), // 2662208 bytes
-    ("deepseek2-lite-q8_0", "58999d4389e86287c4397e3f0b0272c5e3c5cb3cd6bbd590e5f714685fe5e436"), // 586752 bytes
+    ("gemma3-q4_k_m", "e7fb88292c292b30e69f930c44ffdd128899daf4715ad86247e858963988f0b1"), // 7184576 bytes
+    ("deepseek2-q4_k", "7b109ee857c8154f74798c277d8d1b3ac380695b16dcb122a588d5ff49b7219f"), // 5050688 bytes
+    ("deepseek2-lite-q8_0", "044838c9216edb365aab4856cfa2d3ced809a8ef5b4570e709b17b92ef774ad6"), // 1021984 bytes
 ];
 
 fn sha256_hex(bytes: &[u8]) -> String {

@@ -309,3 +309,118 @@ pub fn split_gate(
         ),
     ))
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeSet;
+
+    use engine::model::Model;
+    use engine::tp::{Decision, MoeMode, Placement, ShardPlan};
+    use harness::cases::ModelSource;
+
+    use super::super::models;
+
+    /// Every fixture model's TP plan at 8 ranks, for the file its TP cases run on (the model's
+    /// first weight type, as [`super::extend`] and the matrix pick it): `(model, arch, plan)`.
+    fn tp8_plans() -> Vec<(String, String, ShardPlan)> {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let models = models::discover(dir.path()).expect("writing the fixtures");
+        let mut out = Vec::new();
+        for m in models
+            .entries
+            .iter()
+            .filter(|m| m.source == ModelSource::Fixture)
+        {
+            let w = m
+                .weights
+                .first()
+                .expect("a fixture model has a weight type");
+            let path = &models.paths[&(m.name.clone(), w.clone())];
+            let model = Model::load(path).expect("loading the fixture");
+            let arch = model
+                .gguf()
+                .architecture()
+                .expect("architecture")
+                .to_owned();
+            let plan = ShardPlan::for_gguf(model.config(), model.gguf(), 8)
+                .unwrap_or_else(|e| panic!("{}/{w}: no TP 8 plan: {e}", m.name));
+            out.push((format!("{}/{w}", m.name), arch, plan));
+        }
+        out
+    }
+
+    /// The fixtures' TP 8 cases must run a split attention (issue 11: "give the fixtures head
+    /// counts and widths that allow TP 8"), with a real KV-head split somewhere, the
+    /// replicated-KV path (gemma3's single KV head) and a block-cut fallback still exercised.
+    #[test]
+    fn tp8_plans_split_attention() {
+        let plans = tp8_plans();
+        let archs: BTreeSet<&str> = plans.iter().map(|(_, a, _)| a.as_str()).collect();
+        assert_eq!(
+            archs,
+            BTreeSet::from(["deepseek2", "gemma3", "llama"]),
+            "every fixture architecture has TP cases"
+        );
+        let (mut kv_split, mut kv_replicated, mut cut_fallback) = (false, false, false);
+        for (model, arch, plan) in &plans {
+            let d = &plan.decisions;
+            assert_eq!(d.attn, Decision::Split, "{model}: attention at TP 8");
+            let heads: Vec<usize> = d.q_heads.iter().map(|r| r.len()).collect();
+            assert!(
+                heads.iter().all(|&h| h >= 1 && h == heads[0]),
+                "{model}: query heads per rank {heads:?}"
+            );
+            let q = if arch == "deepseek2" {
+                ["blk.0.attn_q", "blk.0.attn_q_b"]
+                    .iter()
+                    .find_map(|n| plan.tensor(&format!("{n}.weight")))
+            } else {
+                plan.tensor("blk.0.attn_q.weight")
+            }
+            .unwrap_or_else(|| panic!("{model}: no query projection"));
+            assert_eq!(q.placement, Placement::Column, "{model}: {}", q.tensor.name);
+            let out = plan
+                .tensor("blk.0.attn_output.weight")
+                .expect("attn_output");
+            assert_eq!(out.placement, Placement::Row, "{model}: attn_output");
+            if let Some(k) = plan.tensor("blk.0.attn_k.weight") {
+                match k.placement {
+                    Placement::Column => {
+                        let kv: BTreeSet<_> = d.kv_heads.iter().map(|r| r.start).collect();
+                        kv_split |= kv.len() == 8;
+                    }
+                    Placement::Replicated => kv_replicated |= d.kv_note.is_some(),
+                    p => panic!("{model}: attn_k placed {p}"),
+                }
+            }
+            if arch == "gemma3" {
+                assert!(
+                    d.kv_note.is_some(),
+                    "{model}: gemma3's single KV head is replicated"
+                );
+            }
+            let reasons = [&d.ffn]
+                .into_iter()
+                .filter_map(|x| match x {
+                    Decision::Replicated { reason } => Some(reason.as_str()),
+                    Decision::Split => None,
+                })
+                .chain(match &d.moe {
+                    MoeMode::Replicated { reason } => Some(reason.as_str()),
+                    _ => None,
+                });
+            for r in reasons {
+                cut_fallback |= r.contains("would cut");
+            }
+        }
+        assert!(kv_split, "some fixture splits 8 KV heads over 8 ranks");
+        assert!(
+            kv_replicated,
+            "some fixture replicates a KV head over ranks"
+        );
+        assert!(
+            cut_fallback,
+            "some fixture falls back to replication where a split would cut a block"
+        );
+    }
+}
