@@ -158,7 +158,10 @@ fn bad_engine_settings_are_refused_before_loading() {
             &["--spec", "tree", "--budget", "4", "--tree-top-k", "0"][..],
             "top-k",
         ),
-        (&["--spec", "tree", "--head-rows", "chain"][..], "--head-rows"),
+        (
+            &["--spec", "tree", "--head-rows", "chain"][..],
+            "--head-rows",
+        ),
     ] {
         let out = std::process::Command::new(support::bin())
             .arg("serve")

@@ -172,10 +172,8 @@ struct KvRows<'a, E> {
     v: &'a [E],
     k_stride: usize,
     v_stride: usize,
-    /// The ISA's `q · k` and `out = Σ w · v` for this storage type.
-    dot: vector::Dot<E>,
-    wsum: vector::WSum<E>,
-    /// The same for the query heads that share a KV head, each key and value row read once.
+    /// The ISA's scores `q · k` and weighted sums `Σ w · v` for this storage type, for the query
+    /// heads that share a KV head (each key and value row read once for all of them).
     scores: vector::Scores<E>,
     wsum_n: vector::WSumN<E>,
 }
@@ -191,38 +189,6 @@ fn visible_cells(m: &AttnMeta<'_>, t: usize) -> Vec<u32> {
         .collect()
 }
 
-/// One query head against `cells` (those its mask lets it see): scores, softmax (sum in f64,
-/// as ggml), weighted sum of values. Cells are visited in index order.
-fn attend_one<E>(
-    q: &[f32],
-    kv: &KvRows<'_, E>,
-    kv_head: usize,
-    cells: &[u32],
-    m: &AttnMeta<'_>,
-    scores: &mut Vec<f32>,
-    out: &mut [f32],
-) {
-    out.fill(0.0);
-    if cells.is_empty() {
-        return;
-    }
-    scores.clear();
-    let mut max = f32::NEG_INFINITY;
-    for &j in cells {
-        let kr = &kv.k[j as usize * kv.k_stride + kv_head * m.head_dim_k..][..m.head_dim_k];
-        let s = (kv.dot)(q, kr) * m.scale;
-        max = max.max(s);
-        scores.push(s);
-    }
-    softmax_from(scores, max);
-    let rows = vector::WRows {
-        cells,
-        stride: kv.v_stride,
-        offset: kv_head * m.head_dim_v,
-    };
-    (kv.wsum)(out, scores, kv.v, rows);
-}
-
 /// Scores (already scaled) to weights: `exp(s − max)`, summed in f64 as ggml does, normalized.
 fn softmax_from(scores: &mut [f32], max: f32) {
     let mut sum = 0f64;
@@ -236,9 +202,11 @@ fn softmax_from(scores: &mut [f32], max: f32) {
     }
 }
 
-/// The query heads `q` (`n_q` rows, consecutive heads sharing KV head `kv_head`) against
-/// `cells`: the same results as [`attend_one`] per head, bit for bit, with each key and value
-/// row read once for all the heads.
+/// The query heads `q` (`n_q` rows, consecutive heads sharing KV head `kv_head`; one head is
+/// `n_q` = 1) against `cells` (those the mask lets them see, in index order): scores, softmax
+/// (sum in f64, as ggml), weighted sum of values. The grouped kernels give each head the bits of
+/// the one-row kernels, so grouping never changes a result; it reads each key and value row once
+/// for all the heads.
 #[allow(clippy::too_many_arguments)]
 fn attend_group<E>(
     q: &[f32],
@@ -463,7 +431,7 @@ impl CpuBackend {
                 |scores, (i, o)| {
                     let (t, h) = (i / m.n_head, i % m.n_head);
                     let qh = &q[(t * m.n_head + h) * m.head_dim_k..][..m.head_dim_k];
-                    attend_one(qh, &kv, h / group, &visible[t], m, scores, o);
+                    attend_group(qh, 1, &kv, h / group, &visible[t], m, scores, o);
                 },
             );
         });
@@ -1061,8 +1029,6 @@ impl Backend for CpuBackend {
                             v,
                             k_stride,
                             v_stride,
-                            dot: vf.dot_f32,
-                            wsum: vf.wsum_f32,
                             scores: vf.scores_f32,
                             wsum_n: vf.wsum_n_f32,
                         };
@@ -1074,8 +1040,6 @@ impl Backend for CpuBackend {
                             v,
                             k_stride,
                             v_stride,
-                            dot: vf.dot_f16,
-                            wsum: vf.wsum_f16,
                             scores: vf.scores_f16,
                             wsum_n: vf.wsum_n_f16,
                         };
@@ -1092,8 +1056,6 @@ impl Backend for CpuBackend {
                     v,
                     k_stride,
                     v_stride,
-                    dot: vf.dot_f32,
-                    wsum: vf.wsum_f32,
                     scores: vf.scores_f32,
                     wsum_n: vf.wsum_n_f32,
                 };

@@ -617,77 +617,31 @@ fn reduce_add_4x4(v: &[[__m512; 4]; 4]) -> [[f32; 4]; 4] {
     out
 }
 
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn panel_q8_0(
-    w: &[u8],
-    row_bytes: usize,
-    acts: &[BlockQ8_0],
-    nb: usize,
-    out: *mut f32,
-    stride: usize,
-) {
-    // SAFETY: the caller upholds `super::Panel`'s contract.
-    unsafe {
-        panel_blocks_q8_0::<34, { i8::MIN }>(
-            w,
-            row_bytes,
-            acts,
-            nb,
-            out,
-            stride,
-            |b| q8_0_unpack(b),
-            |b| q8_0_unpack2u(b),
-        )
-    }
+/// A [`super::Panel`] kernel for one weight type: `panel_blocks_q8_0` with the type's block size,
+/// offset and unpackers.
+macro_rules! panel_fn {
+    ($name:ident, $ts:literal, $offset:expr, $unpack:ident, $unpack2u:ident) => {
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+        unsafe fn $name(
+            w: &[u8],
+            row_bytes: usize,
+            acts: &[BlockQ8_0],
+            nb: usize,
+            out: *mut f32,
+            stride: usize,
+        ) {
+            let (u, u2) = (|b: &[u8]| $unpack(b), |b: &[u8]| $unpack2u(b));
+            // SAFETY: the caller upholds `super::Panel`'s contract.
+            unsafe {
+                panel_blocks_q8_0::<$ts, { $offset }>(w, row_bytes, acts, nb, out, stride, u, u2)
+            }
+        }
+    };
 }
 
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn panel_q4_0(
-    w: &[u8],
-    row_bytes: usize,
-    acts: &[BlockQ8_0],
-    nb: usize,
-    out: *mut f32,
-    stride: usize,
-) {
-    // SAFETY: the caller upholds `super::Panel`'s contract.
-    unsafe {
-        panel_blocks_q8_0::<18, 8>(
-            w,
-            row_bytes,
-            acts,
-            nb,
-            out,
-            stride,
-            |b| q4_0_unpack(b),
-            |b| q4_0_unpack2u(b),
-        )
-    }
-}
-
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn panel_q5_0(
-    w: &[u8],
-    row_bytes: usize,
-    acts: &[BlockQ8_0],
-    nb: usize,
-    out: *mut f32,
-    stride: usize,
-) {
-    // SAFETY: the caller upholds `super::Panel`'s contract.
-    unsafe {
-        panel_blocks_q8_0::<22, 16>(
-            w,
-            row_bytes,
-            acts,
-            nb,
-            out,
-            stride,
-            |b| q5_0_unpack(b),
-            |b| q5_0_unpack2u(b),
-        )
-    }
-}
+panel_fn!(panel_q8_0, 34, i8::MIN, q8_0_unpack, q8_0_unpack2u);
+panel_fn!(panel_q4_0, 18, 8, q4_0_unpack, q4_0_unpack2u);
+panel_fn!(panel_q5_0, 22, 16, q5_0_unpack, q5_0_unpack2u);
 
 /// The AVX-512 VNNI rows kernel (a task's weight rows × up to eight activation rows, see
 /// [`super::Rows`]) for weights of type `ty`, if there is one. Only for a CPU with
