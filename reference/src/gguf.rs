@@ -238,7 +238,7 @@ impl GgufFile {
     /// without reading it.
     pub fn check(&self, name: &str, expected: &[usize]) -> Result<(), ReferenceError> {
         let outer = expected.first().copied().unwrap_or(1);
-        self.locate(name, expected, 0..outer).map(|_| ())
+        Self::locate(&self.tensors, &self.shards, name, expected, 0..outer).map(|_| ())
     }
 
     /// Read and dequantize `rows` of the outermost dimension of tensor `name` (whose whole shape
@@ -252,7 +252,8 @@ impl GgufFile {
         rows: std::ops::Range<usize>,
         dtype: DType,
     ) -> Result<Tensor, ReferenceError> {
-        let (shard, start, size, dims) = self.locate(name, expected, rows.clone())?;
+        let (located, start, size, dims) =
+            Self::locate(&self.tensors, &self.shards, name, expected, rows.clone())?;
         if size == 0 {
             // Nothing to read (and candle's reader cannot take an empty buffer: it casts the
             // byte vector's dangling pointer to f32).
@@ -262,13 +263,7 @@ impl GgufFile {
             name: name.to_string(),
             message,
         };
-        let located = self
-            .tensors
-            .get(name)
-            .ok_or_else(|| ReferenceError::MissingTensor {
-                name: name.to_string(),
-            })?;
-        let file = &mut self.shards[shard];
+        let file = &mut self.shards[located.shard];
         let io = |source| ReferenceError::Io {
             path: file.path.clone(),
             source,
@@ -297,16 +292,18 @@ impl GgufFile {
         Ok(tensor.to_dtype(dtype)?)
     }
 
-    /// Where rows `rows` of tensor `name` lie: `(shard, absolute start, bytes, shape of the
-    /// part)`, after checking the shape, the block alignment and the file's size.
-    fn locate(
-        &self,
+    /// Where rows `rows` of tensor `name` lie: `(its directory entry, absolute start in its
+    /// shard, bytes, shape of the part)`, after checking the shape, the block alignment and the
+    /// file's size. (Over the directory and the shards rather than `self`, so that a caller can
+    /// then read from its shard.)
+    fn locate<'t>(
+        tensors: &'t HashMap<String, Located>,
+        shards: &[ShardFile],
         name: &str,
         expected: &[usize],
         rows: std::ops::Range<usize>,
-    ) -> Result<(usize, u64, u64, Vec<usize>), ReferenceError> {
-        let located = self
-            .tensors
+    ) -> Result<(&'t Located, u64, u64, Vec<usize>), ReferenceError> {
+        let located = tensors
             .get(name)
             .ok_or_else(|| ReferenceError::MissingTensor {
                 name: name.to_string(),
@@ -339,7 +336,7 @@ impl GgufFile {
             )));
         }
         let row_bytes = inner / block * type_size;
-        let file = &self.shards[located.shard];
+        let file = &shards[located.shard];
         let tensor_start = file.data_offset.saturating_add(located.entry.offset());
         let tensor_end = tensor_start.saturating_add((outer as u64).saturating_mul(row_bytes));
         if tensor_end > file.file_size {
@@ -355,7 +352,7 @@ impl GgufFile {
         if let Some(d) = dims.first_mut() {
             *d = rows.end - rows.start;
         }
-        Ok((located.shard, start, size, dims))
+        Ok((located, start, size, dims))
     }
 }
 

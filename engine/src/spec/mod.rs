@@ -409,6 +409,8 @@ pub fn generate<'m, B: Backend + 'm>(
         None
     };
     let head_rows = match cfg.head_rows {
+        // Budget 0 never verifies a tree: nothing to measure.
+        HeadRows::Auto if cfg.shape.budget == 0 => HeadRows::Visited,
         HeadRows::Auto => {
             let depth = cfg.shape.max_depth.min(cfg.shape.budget) + 1;
             let (plan, per_row) = choose_head_rows(engine, cache, first, depth)?;

@@ -410,8 +410,8 @@ pub(super) fn select_panel(ty: GgmlType) -> Option<RowPanel> {
         T::Q4_0 => RowPanel::Q8_0(panel_q4_0),
         T::Q5_0 => RowPanel::Q8_0(panel_q5_0),
         T::Q8_0 => RowPanel::Q8_0(panel_q8_0),
-        T::Q4K => RowPanel::Q8K(panel_q4k),
-        T::Q6K => RowPanel::Q8K(panel_q6k),
+        T::Q4K => RowPanel::Q8K(panel_blocks_kquant::<false>),
+        T::Q6K => RowPanel::Q8K(panel_blocks_kquant::<true>),
         _ => return None,
     })
 }
@@ -506,6 +506,13 @@ unsafe fn panel_blocks_q8_0<const TS: usize, const OFFSET: i8>(
             }
         }
         let wp = &panels.weights[..pairs * 4 * W_REGS];
+        // Each row's odd last block, unpacked once for all the tokens.
+        let mut last = [None; 4];
+        if nb % 2 == 1 {
+            for (k, l) in last.iter_mut().enumerate().take(nr) {
+                *l = Some(unpack(&wr(k)[(nb - 1) * TS..]));
+            }
+        }
         let mut t = 0;
         while t < n_tok {
             let nt = if t + 4 <= n_tok { 4 } else { 1 };
@@ -529,8 +536,7 @@ unsafe fn panel_blocks_q8_0<const TS: usize, const OFFSET: i8>(
                 }
                 _ => sums[0][0] = _mm512_reduce_add_ps(panel_micro::<1, 1>(wp, [a_panel(t)])[0][0]),
             }
-            for k in 0..nr {
-                let q = (nb % 2 == 1).then(|| unpack(&wr(k)[(nb - 1) * TS..]));
+            for (k, &q) in last.iter().enumerate().take(nr) {
                 for j in 0..nt {
                     let tail = match q {
                         Some((q, dx)) => tail_block(q, dx, &act(t + j)[nb - 1]),
@@ -700,14 +706,10 @@ fn rows_blocks_q8_0<const TS: usize, const OFFSET: i8, const T: usize>(
     let mut qy = [[MaybeUninit::<__m512i>::uninit(); T]; CHUNK];
     let mut start = [[MaybeUninit::<__m512i>::uninit(); T]; CHUNK];
     let mut dyp = [[MaybeUninit::<__m512>::uninit(); T]; CHUNK];
-    // Each (row, token)'s running sum between chunks, only for rows wider than CHUNK pairs, for
-    // up to MAX_ROWS rows at a time (`run`'s tasks have at most `super::MAX_ROW_TILE`).
+    // Each (row, token)'s running sum between chunks (rows wider than CHUNK pairs), for up to
+    // MAX_ROWS rows at a time: written at the end of one chunk before the next reads it.
     const MAX_ROWS: usize = 64;
-    let mut acc = if pairs > CHUNK {
-        vec![[_mm512_setzero_ps(); T]; n_rows.min(MAX_ROWS)]
-    } else {
-        Vec::new()
-    };
+    let mut acc = [[MaybeUninit::<__m512>::uninit(); T]; MAX_ROWS];
     // Finished rows (sums, odd last block's sums, row index) awaiting a four-row reduction.
     let mut pending = [([_mm512_setzero_ps(); T], [0f32; T], 0usize); 4];
     let mut np = 0;
@@ -732,7 +734,8 @@ fn rows_blocks_q8_0<const TS: usize, const OFFSET: i8, const T: usize>(
                 let mut a = if c0 == 0 {
                     [_mm512_setzero_ps(); T]
                 } else {
-                    acc[r]
+                    // SAFETY: row r's sums were written at the end of the previous chunk.
+                    acc[r].map(|a| unsafe { a.assume_init() })
                 };
                 for k in 0..m {
                     let i = c0 + k;
@@ -770,7 +773,7 @@ fn rows_blocks_q8_0<const TS: usize, const OFFSET: i8, const T: usize>(
                         np = 0;
                     }
                 } else {
-                    acc[r] = a;
+                    acc[r] = a.map(MaybeUninit::new);
                 }
             }
             for &(a, tail, row) in &pending[..np] {
@@ -956,16 +959,6 @@ fn dot_q4k_n<const N: usize, const VNNI: bool>(w: &[u8], ys: [&[BlockQ8K]; N]) -
     out
 }
 
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-fn dot_q4k(w: &[u8], y: &[BlockQ8K]) -> f32 {
-    dot_q4k_n::<1, false>(w, [y])[0]
-}
-
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-fn dot4_q4k(w: &[u8], y: &[&[BlockQ8K]; 4]) -> [f32; 4] {
-    dot_q4k_n::<4, false>(w, *y)
-}
-
 /// Q6_K against `N` activation rows, each block unpacked once (see [`dot_q4k_n`]).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 #[inline]
@@ -1014,38 +1007,35 @@ fn dot_q6k_n<const N: usize, const VNNI: bool>(w: &[u8], ys: [&[BlockQ8K]; N]) -
     out
 }
 
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-fn dot_q6k(w: &[u8], y: &[BlockQ8K]) -> f32 {
-    dot_q6k_n::<1, false>(w, [y])[0]
+/// The one-row and four-row kernels of a k-quant type, without and with AVX-512 VNNI (with it,
+/// each 64 elements' scaled pair sums go into the lane sums with one `vpdpwssd` instead of
+/// `vpmaddwd` and an add: the same integers, so the same results).
+macro_rules! kquant_fns {
+    ($kernel:ident, $dot:ident, $dot4:ident, $dot_vnni:ident, $dot4_vnni:ident) => {
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+        fn $dot(w: &[u8], y: &[BlockQ8K]) -> f32 {
+            $kernel::<1, false>(w, [y])[0]
+        }
+
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+        fn $dot4(w: &[u8], y: &[&[BlockQ8K]; 4]) -> [f32; 4] {
+            $kernel::<4, false>(w, *y)
+        }
+
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+        fn $dot_vnni(w: &[u8], y: &[BlockQ8K]) -> f32 {
+            $kernel::<1, true>(w, [y])[0]
+        }
+
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+        fn $dot4_vnni(w: &[u8], y: &[&[BlockQ8K]; 4]) -> [f32; 4] {
+            $kernel::<4, true>(w, *y)
+        }
+    };
 }
 
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-fn dot4_q6k(w: &[u8], y: &[&[BlockQ8K]; 4]) -> [f32; 4] {
-    dot_q6k_n::<4, false>(w, *y)
-}
-
-// The k-quant kernels with AVX-512 VNNI: each 64 elements' scaled pair sums go into the lane
-// sums with one `vpdpwssd` instead of `vpmaddwd` and an add. The same integers, so the same
-// results as the kernels above.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-fn dot_q4k_vnni(w: &[u8], y: &[BlockQ8K]) -> f32 {
-    dot_q4k_n::<1, true>(w, [y])[0]
-}
-
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-fn dot4_q4k_vnni(w: &[u8], y: &[&[BlockQ8K]; 4]) -> [f32; 4] {
-    dot_q4k_n::<4, true>(w, *y)
-}
-
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-fn dot_q6k_vnni(w: &[u8], y: &[BlockQ8K]) -> f32 {
-    dot_q6k_n::<1, true>(w, [y])[0]
-}
-
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-fn dot4_q6k_vnni(w: &[u8], y: &[&[BlockQ8K]; 4]) -> [f32; 4] {
-    dot_q6k_n::<4, true>(w, *y)
-}
+kquant_fns!(dot_q4k_n, dot_q4k, dot4_q4k, dot_q4k_vnni, dot4_q4k_vnni);
+kquant_fns!(dot_q6k_n, dot_q6k, dot4_q6k, dot_q6k_vnni, dot4_q6k_vnni);
 
 /// `sumi` plus the i16 pair products of `p` and `s` summed into i32 lanes: with `VNNI` one
 /// `vpdpwssd` (only instantiated inside functions compiled with AVX-512 VNNI), else
@@ -1334,30 +1324,4 @@ fn kpanel_micro<const Q6: bool, const R: usize, const T: usize>(
         }
     }
     out
-}
-
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn panel_q4k(
-    w: &[u8],
-    row_bytes: usize,
-    acts: &[BlockQ8K],
-    nb: usize,
-    out: *mut f32,
-    stride: usize,
-) {
-    // SAFETY: the caller upholds `super::Panel`'s contract.
-    unsafe { panel_blocks_kquant::<false>(w, row_bytes, acts, nb, out, stride) }
-}
-
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn panel_q6k(
-    w: &[u8],
-    row_bytes: usize,
-    acts: &[BlockQ8K],
-    nb: usize,
-    out: *mut f32,
-    stride: usize,
-) {
-    // SAFETY: the caller upholds `super::Panel`'s contract.
-    unsafe { panel_blocks_kquant::<true>(w, row_bytes, acts, nb, out, stride) }
 }

@@ -642,27 +642,30 @@ mod x86 {
             #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
             #[inline]
             fn $block<const G: usize>(
-                out: [&mut [f32]; G],
-                w: [&[f32]; G],
+                out: &mut [f32],
+                d: usize,
+                w: &[f32],
                 v: &[$t],
                 rows: WRows<'_>,
                 i: usize,
             ) {
+                // `out`: G rows of `d`; `w`: G rows of one weight per cell.
+                let m = rows.cells.len();
                 let mut acc = [[_mm512_setzero_ps(); 4]; G];
-                for j in 0..rows.cells.len() {
+                for j in 0..m {
                     let s = rows.start(j) + i;
                     let row = &v[s..s + 64];
                     let x = [$ld(row, 0), $ld(row, 16), $ld(row, 32), $ld(row, 48)];
                     for g in 0..G {
-                        let a = _mm512_set1_ps(w[g][j]);
+                        let a = _mm512_set1_ps(w[g * m + j]);
                         for h in 0..4 {
                             acc[g][h] = _mm512_fmadd_ps(a, x[h], acc[g][h]);
                         }
                     }
                 }
-                for (o, acc) in out.into_iter().zip(acc) {
+                for (g, acc) in acc.into_iter().enumerate() {
                     for (h, acc) in acc.into_iter().enumerate() {
-                        let o = &mut o[i + 16 * h..i + 16 * (h + 1)];
+                        let o = &mut out[g * d + i + 16 * h..g * d + i + 16 * (h + 1)];
                         // SAFETY: `o` is 16 in-bounds f32.
                         unsafe { _mm512_storeu_ps(o.as_mut_ptr(), acc) };
                     }
@@ -672,20 +675,20 @@ mod x86 {
             #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
             fn $name(out: &mut [f32], n_q: usize, w: &[f32], v: &[$t], rows: WRows<'_>) {
                 let (d, m) = (out.len() / n_q.max(1), rows.cells.len());
+                if d == 0 {
+                    return;
+                }
                 let block = d / 64 * 64;
-                let mut q = 0;
-                for chunk in out.chunks_exact_mut(d).collect::<Vec<_>>().chunks_mut(4) {
-                    let g = chunk.len();
-                    let wr = |a: usize| &w[(q + a) * m..(q + a + 1) * m];
+                // Query rows four at a time (a decode step's lone head is a group of one).
+                for (gi, group) in out.chunks_mut(4 * d).enumerate() {
+                    let g = group.len() / d;
+                    let wg = &w[4 * gi * m..(4 * gi + g) * m];
                     for i in (0..block).step_by(64) {
-                        match chunk {
-                            [a, b, c, e] => {
-                                $block::<4>([a, b, c, e], [wr(0), wr(1), wr(2), wr(3)], v, rows, i)
-                            }
-                            [a, b, c] => $block::<3>([a, b, c], [wr(0), wr(1), wr(2)], v, rows, i),
-                            [a, b] => $block::<2>([a, b], [wr(0), wr(1)], v, rows, i),
-                            [a] => $block::<1>([a], [wr(0)], v, rows, i),
-                            _ => {}
+                        match g {
+                            4 => $block::<4>(group, d, wg, v, rows, i),
+                            3 => $block::<3>(group, d, wg, v, rows, i),
+                            2 => $block::<2>(group, d, wg, v, rows, i),
+                            _ => $block::<1>(group, d, wg, v, rows, i),
                         }
                     }
                     if block < d {
@@ -693,11 +696,10 @@ mod x86 {
                             offset: rows.offset + block,
                             ..rows
                         };
-                        for (a, o) in chunk.iter_mut().enumerate() {
-                            $one(&mut o[block..], wr(a), v, rest);
+                        for (a, o) in group.chunks_exact_mut(d).enumerate() {
+                            $one(&mut o[block..], &wg[a * m..(a + 1) * m], v, rest);
                         }
                     }
-                    q += g;
                 }
             }
         };
