@@ -453,6 +453,12 @@ impl<'a, 'm, E: BatchEngine> Batcher<'a, 'm, E> {
                 return;
             }
             self.drop_cancelled();
+            // The gauge follows every change, a cancellation that empties the batch included
+            // (the loop then waits for work without stepping).
+            self.state
+                .metrics
+                .running
+                .store(self.n_active(), Ordering::Relaxed);
             if self.n_active() == 0 {
                 match rx.recv_timeout(Duration::from_millis(100)) {
                     Ok(job) => self.admit(job),
