@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
+use engine::gguf::WeightPages;
 use engine::model::Model;
 use engine::runtime::{Backend, CpuBackend, Engine, KvDtype};
 use engine::sampling::{Sampler, SamplerConfig};
@@ -43,14 +44,19 @@ pub struct RunArgs {
     /// Instruction set of the CPU kernels (default: the widest this CPU has)
     #[arg(long, value_enum)]
     pub isa: Option<IsaArg>,
+    /// Where the weights live: `resident` (a copy in huge pages: decode streams faster),
+    /// `map` (the file's memory map, nothing copied), `auto` (resident when the model takes at
+    /// most half the available memory)
+    #[arg(long, default_value = "auto")]
+    pub weights: WeightPages,
 }
 
 impl RunArgs {
     /// Refuse a misspelt fault setting, then load the model and build the backend.
     pub fn load(&self, path: &std::path::Path) -> Result<(Model, CpuBackend)> {
         engine::faults::setting().context("reading the fault-injection setting")?;
-        let model =
-            Model::load(path).with_context(|| format!("loading model {}", path.display()))?;
+        let model = Model::load_with(path, self.weights)
+            .with_context(|| format!("loading model {}", path.display()))?;
         let backend = CpuBackend::new(self.isa.map(Isa::from), self.threads)
             .context("starting the CPU backend")?;
         Ok((model, backend))

@@ -32,6 +32,43 @@ pub use writer::GgufWriter;
 
 use reader::Backing;
 
+/// Where an opened model's tensor bytes live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum WeightPages {
+    /// The file's memory map: nothing copied, pages read from the page cache on first touch
+    /// (what `inspect` and the file tools want, and any model larger than memory).
+    Map,
+    /// A private copy in anonymous memory advised for transparent huge pages: decode streams
+    /// every weight once per token, and streams faster over huge pages (see `Backing::resident`).
+    Resident,
+    /// [`WeightPages::Resident`] when the files take at most half of the memory the system
+    /// reports available (`MemAvailable`), else [`WeightPages::Map`].
+    #[default]
+    Auto,
+}
+
+impl std::str::FromStr for WeightPages {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "map" => Ok(WeightPages::Map),
+            "resident" => Ok(WeightPages::Resident),
+            "auto" => Ok(WeightPages::Auto),
+            other => Err(format!(
+                "unknown weight pages {other:?}: expected map, resident or auto"
+            )),
+        }
+    }
+}
+
+/// `MemAvailable` from `/proc/meminfo`, in bytes (None where there is no such file).
+fn mem_available() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
 /// One tensor of the model: where its bytes are and how to read them.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TensorInfo {
@@ -126,6 +163,42 @@ impl Gguf {
             tensors,
             by_name,
         })
+    }
+
+    /// Where the tensor bytes live from now on (see [`WeightPages`]); returns whether they are
+    /// now a resident copy. Errors only when [`WeightPages::Resident`] was asked for and the copy
+    /// could not be made; [`WeightPages::Auto`] keeps the maps then.
+    pub fn set_weight_pages(&mut self, pages: WeightPages) -> Result<bool, GgufError> {
+        let total: u64 = self.shards.iter().map(|s| s.file_size).sum();
+        let copy = match pages {
+            WeightPages::Map => false,
+            WeightPages::Resident => true,
+            WeightPages::Auto => {
+                mem_available().is_some_and(|avail| total.saturating_mul(2) <= avail)
+            }
+        };
+        if !copy {
+            return Ok(self.maps.iter().all(Backing::is_resident) && !self.maps.is_empty());
+        }
+        for (map, shard) in self.maps.iter_mut().zip(&self.shards) {
+            if map.is_resident() {
+                continue;
+            }
+            match map.resident(&shard.path) {
+                Ok(r) => *map = r,
+                Err(e) if pages == WeightPages::Resident => return Err(e),
+                Err(e) => {
+                    tracing::warn!("keeping the weights mapped from the file: {e}");
+                    return Ok(false);
+                }
+            }
+        }
+        Ok(true)
+    }
+
+    /// Whether every shard's bytes are a resident copy ([`Gguf::set_weight_pages`]).
+    pub fn is_resident(&self) -> bool {
+        !self.maps.is_empty() && self.maps.iter().all(Backing::is_resident)
     }
 
     /// Shard 0's metadata, in file order (`split.*` keys included).

@@ -29,9 +29,12 @@ const MIN_TENSOR_INFO: u64 = 8 + 4 + 4 + 8;
 /// Fewest bytes a metadata pair can take: key length, value type, a one-byte value.
 const MIN_KV: u64 = 8 + 4 + 1;
 
-/// The bytes of a file: mapped, or (for an empty file, which cannot be mapped) nothing.
+/// The bytes of a file: mapped, copied into anonymous memory ([`Backing::resident`]), or (for an
+/// empty file, which cannot be mapped) nothing.
 pub(crate) enum Backing {
     Map(Mmap),
+    /// A private copy in anonymous memory advised for transparent huge pages; read-only.
+    Resident(Mmap),
     Empty,
 }
 
@@ -39,9 +42,37 @@ impl Deref for Backing {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
         match self {
-            Backing::Map(m) => m,
+            Backing::Map(m) | Backing::Resident(m) => m,
             Backing::Empty => &[],
         }
+    }
+}
+
+impl Backing {
+    /// The same bytes copied into an anonymous mapping advised for transparent huge pages
+    /// (`MADV_HUGEPAGE`), then made read-only. A decode step streams every weight once, and a
+    /// one-thread stream over 4 KiB file pages runs slower than over 2 MiB pages: the Gemma 3
+    /// head (178 MB of Q8_0) read at 16 GB/s from the file's map and 19–21 GB/s from a huge-page
+    /// copy in the same process (Zen 4, `engine/examples/weight_pages.rs`). `path` is for errors.
+    pub(crate) fn resident(&self, path: &Path) -> Result<Backing, GgufError> {
+        let bytes: &[u8] = self;
+        if bytes.is_empty() {
+            return Ok(Backing::Empty);
+        }
+        let mut anon = memmap2::MmapMut::map_anon(bytes.len())
+            .map_err(|e| GgufError::io(path, "allocating memory for the weights", e))?;
+        // Advice only: a kernel without transparent huge pages keeps 4 KiB pages.
+        #[cfg(target_os = "linux")]
+        let _ = anon.advise(memmap2::Advice::HugePage);
+        anon.copy_from_slice(bytes);
+        let ro = anon
+            .make_read_only()
+            .map_err(|e| GgufError::io(path, "protecting the weights' copy", e))?;
+        Ok(Backing::Resident(ro))
+    }
+
+    pub(crate) fn is_resident(&self) -> bool {
+        matches!(self, Backing::Resident(_))
     }
 }
 

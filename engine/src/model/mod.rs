@@ -18,7 +18,7 @@ use std::path::Path;
 
 use kernels::quant::dequantize;
 
-use crate::gguf::Gguf;
+use crate::gguf::{Gguf, WeightPages};
 use crate::runtime::WeightData;
 
 pub use config::{
@@ -128,14 +128,26 @@ impl std::fmt::Debug for Model {
 }
 
 impl Model {
-    /// Open a GGUF file (or split set) and load the model in it.
+    /// Open a GGUF file (or split set) and load the model in it, its weights resident in huge
+    /// pages when they fit ([`WeightPages::Auto`]).
     pub fn load(path: impl AsRef<Path>) -> Result<Model, ModelError> {
-        Model::from_gguf(Gguf::open(path)?)
+        Model::load_with(path, WeightPages::Auto)
+    }
+
+    /// [`Model::load`] with the weights' pages chosen.
+    pub fn load_with(path: impl AsRef<Path>, pages: WeightPages) -> Result<Model, ModelError> {
+        Model::from_gguf(Gguf::open(path)?)?.with_weight_pages(pages)
     }
 
     /// Load a split set from its shard files listed in any order ([`Gguf::open_listed`]).
     pub fn load_listed<P: AsRef<Path>>(paths: &[P]) -> Result<Model, ModelError> {
-        Model::from_gguf(Gguf::open_listed(paths)?)
+        Model::from_gguf(Gguf::open_listed(paths)?)?.with_weight_pages(WeightPages::Auto)
+    }
+
+    /// The model with its tensor bytes where `pages` says ([`Gguf::set_weight_pages`]).
+    pub fn with_weight_pages(mut self, pages: WeightPages) -> Result<Model, ModelError> {
+        self.gguf.set_weight_pages(pages)?;
+        Ok(self)
     }
 
     /// Load the model of an opened file: read the configuration, then find and check every
