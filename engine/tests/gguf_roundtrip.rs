@@ -8,7 +8,7 @@ use std::io::{Read, Seek, SeekFrom};
 use std::path::Path;
 
 use candle_core::quantized::gguf_file::{Content, Value as CV};
-use engine::gguf::{GgmlType, Gguf, GgufError, GgufWriter, MetadataValue as V};
+use engine::gguf::{GgmlType, Gguf, GgufError, GgufWriter, MetadataValue as V, WeightPages};
 use gguf_common::*;
 
 fn open(p: &Path) -> Gguf {
@@ -174,6 +174,45 @@ fn version_2_reads_like_version_3() {
     let g = open(&p);
     assert_eq!(g.shards()[0].version, 2);
     check_sample(&g, &[]);
+}
+
+#[test]
+fn resident_weights_are_the_mapped_bytes() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let paths = sample_writer()
+        .write_split(dir.path().join("m.gguf"), 3)
+        .unwrap_or_else(|e| panic!("{e}"));
+    let mapped = open(&paths[0]);
+    let mut g = open(&paths[0]);
+    assert!(!g.is_resident(), "open maps");
+    assert_eq!(g.set_weight_pages(WeightPages::Map).ok(), Some(false));
+    assert_eq!(g.set_weight_pages(WeightPages::Resident).ok(), Some(true));
+    assert!(g.is_resident());
+    for t in mapped.tensors() {
+        assert_eq!(g.tensor_data(t), mapped.tensor_data(t), "{}", t.name);
+    }
+    check_sample(&g, &["split.no", "split.count", "split.tensors.count"]);
+    // Asking again changes nothing; `map` after `resident` keeps the copy.
+    assert_eq!(g.set_weight_pages(WeightPages::Resident).ok(), Some(true));
+    assert_eq!(g.set_weight_pages(WeightPages::Map).ok(), Some(true));
+    // A small file fits in any machine's available memory: `auto` copies it.
+    let mut a = open(&paths[1]);
+    assert_eq!(a.set_weight_pages(WeightPages::Auto).ok(), Some(true));
+    let parsed: Vec<Result<WeightPages, String>> = ["auto", "map", "resident", "huge"]
+        .iter()
+        .map(|s| s.parse())
+        .collect();
+    assert_eq!(
+        parsed[..3],
+        [
+            Ok(WeightPages::Auto),
+            Ok(WeightPages::Map),
+            Ok(WeightPages::Resident)
+        ]
+    );
+    assert!(parsed[3]
+        .as_ref()
+        .is_err_and(|e| e.contains("huge") && e.contains("resident")));
 }
 
 #[test]
