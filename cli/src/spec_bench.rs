@@ -12,7 +12,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use engine::runtime::{Backend, Batch, Engine, KvDtype};
 use engine::sampling::{Sampler, SamplerConfig};
-use engine::spec::{self, measure_cost, Limits, SpecConfig, SEQ};
+use engine::spec::{self, measure_cost, HeadRows, Limits, SpecConfig, SEQ};
 use engine::tokenizer::Tokenizer;
 use serde_json::json;
 
@@ -152,6 +152,7 @@ pub fn run(args: Args) -> Result<()> {
     }
 
     let mut rows = Vec::new();
+    let mut plans = std::collections::HashMap::new();
     for (kind, text) in PROMPTS {
         let prompt = tokenizer
             .encode(text, true, false)
@@ -189,6 +190,23 @@ pub fn run(args: Args) -> Result<()> {
                 if let Draft::SelfLayers(_) | Draft::Model(_) = draft {
                     // A model drafter runs one forward per depth: a shallow tree.
                     cfg.shape.max_depth = 4;
+                }
+                if cfg.head_rows == HeadRows::Auto && cfg.shape.budget > 0 {
+                    // Measured once per depth for the whole run, as a server measures it once
+                    // (not once per generation, which would charge every run for it).
+                    let depth = cfg.shape.max_depth.min(cfg.shape.budget) + 1;
+                    let (plan, per_row) = match plans.get(&depth) {
+                        Some(&p) => p,
+                        None => {
+                            let p = spec::choose_head_rows(&engine, &mut cache, token, depth)?;
+                            plans.insert(depth, p);
+                            p
+                        }
+                    };
+                    cfg.head_rows = plan;
+                    if let Some(c) = cfg.cost.as_mut() {
+                        c.head_row = per_row;
+                    }
                 }
                 // Plain decoding again right before each speculative run (a paired ratio: the
                 // machine's load changes between runs).

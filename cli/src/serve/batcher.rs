@@ -35,8 +35,8 @@ use engine::runtime::{
 };
 use engine::sampling::{Sampler, SamplerConfig};
 use engine::spec::{
-    walk, CostCurve, Flow, ModelProposer, NgramProposer, Policy, Proposer, SamplerTarget,
-    SpecConfig, SpecError, Tree, TreeShape,
+    draft_round, walk, CostCurve, Flow, ModelProposer, NgramProposer, Policy, Proposer,
+    SamplerTarget, SpecConfig, SpecError, Tree, TreeShape,
 };
 use engine::tokenizer::{StreamDecoder, Tokenizer};
 use tokio::sync::mpsc::UnboundedSender;
@@ -516,6 +516,7 @@ impl<'a, 'm, E: BatchEngine> Batcher<'a, 'm, E> {
         let policy = self.cost.as_ref().map(|c| {
             let mut p = Policy::new(setup.cfg.shape.budget, c.clone());
             p.shadow = !proposer.is_costly();
+            p.max_depth = setup.cfg.shape.max_depth;
             p
         });
         Ok(Some(SeqSpec {
@@ -798,23 +799,13 @@ fn draft(s: &mut SeqSpec<'_>, cfg: &EngineConfig) -> Result<Tree, SpecError> {
         .spec
         .as_ref()
         .map_or(TreeShape::new(0, 0), |x| x.cfg.shape);
-    let root = s.history.last().copied().ok_or(SpecError::EmptyContext)?;
-    let budget = s.policy.as_ref().map_or(shape.budget, Policy::choose);
-    let costly = s.proposer.is_costly();
-    let t = std::time::Instant::now();
-    let full = if budget > 0 || (s.policy.is_some() && !costly) {
-        s.proposer.propose(&s.history, shape)?
-    } else {
-        Tree::root(root)
-    };
-    let draft_secs = t.elapsed().as_secs_f64();
-    let tree = full.prefix(budget);
-    if let Some(p) = s.policy.as_mut() {
-        if budget > 0 && costly {
-            p.drafted(draft_secs);
-        }
-        p.record(s.out.len(), full);
-    }
+    let (tree, _) = draft_round(
+        s.proposer.as_mut(),
+        s.policy.as_mut(),
+        &s.history,
+        shape,
+        s.out.len(),
+    )?;
     Ok(tree)
 }
 

@@ -341,6 +341,43 @@ pub fn generate_plain<'m, B: Backend + 'm>(
     Ok((out, t.elapsed().as_secs_f64()))
 }
 
+/// One round's draft: the tree to verify and the seconds drafting took. Without a policy, the
+/// drafter's tree of `shape`. With one, the policy's budget of it: a cheap drafter drafts the
+/// full tree every round (the policy learns from it even on a plain round); a costly one drafts
+/// only when the policy speculates, and the shape the policy asks for (a one-level probe until
+/// a draft has been timed), its time recorded per level. `out_len`: tokens emitted so far (the
+/// policy settles each tree once the tokens after it are known).
+pub fn draft_round(
+    proposer: &mut dyn Proposer,
+    policy: Option<&mut Policy>,
+    history: &[u32],
+    shape: TreeShape,
+    out_len: usize,
+) -> Result<(Tree, f64), SpecError> {
+    let root = *history.last().ok_or(SpecError::EmptyContext)?;
+    let costly = proposer.is_costly();
+    let budget = policy.as_deref().map_or(shape.budget, Policy::choose);
+    let shape = match policy.as_deref() {
+        Some(p) if costly => p.draft_shape(shape),
+        _ => shape,
+    };
+    let t = Instant::now();
+    let full = if budget > 0 || (policy.is_some() && !costly) {
+        proposer.propose(history, shape)?
+    } else {
+        Tree::root(root)
+    };
+    let secs = t.elapsed().as_secs_f64();
+    let tree = full.prefix(budget);
+    if let Some(p) = policy {
+        if budget > 0 && costly {
+            p.drafted(secs, shape.max_depth.min(shape.budget));
+        }
+        p.record(out_len, full);
+    }
+    Ok((tree, secs))
+}
+
 /// Generate after `prompt` with tree speculation: prefill, draw the first token, then rounds of
 /// draft → verify → walk → keep the accepted path, until `limits` stop it. `cache` must be empty
 /// and hold at least `prompt.len() + max_tokens + budget + 1` cells.
@@ -404,6 +441,7 @@ pub fn generate<'m, B: Backend + 'm>(
         };
         let mut p = Policy::new(cfg.shape.budget, cost);
         p.shadow = !proposer.is_costly();
+        p.max_depth = cfg.shape.max_depth;
         Some(p)
     } else {
         None
@@ -423,24 +461,9 @@ pub fn generate<'m, B: Backend + 'm>(
         plan => plan,
     };
     loop {
-        let budget = policy.as_ref().map_or(cfg.shape.budget, |p| p.choose());
-        // Draft: the full tree when drafting is cheap (the policy learns from it even on a
-        // plain round); a costly drafter only when it speculates.
-        let td = Instant::now();
-        let full = if budget > 0 || (policy.is_some() && !proposer.is_costly()) {
-            proposer.propose(&history, cfg.shape)?
-        } else {
-            Tree::root(history[history.len() - 1])
-        };
-        let draft_secs = td.elapsed().as_secs_f64();
+        let (tree, draft_secs) =
+            draft_round(proposer, policy.as_mut(), &history, cfg.shape, out.len())?;
         stats.draft_secs += draft_secs;
-        let tree = full.prefix(budget);
-        if let Some(p) = policy.as_mut() {
-            if budget > 0 && proposer.is_costly() {
-                p.drafted(draft_secs);
-            }
-            p.record(out.len(), full);
-        }
 
         let tv = Instant::now();
         let mut verified = verify::verify(engine, cache, &tree, SEQ, head_rows)?;

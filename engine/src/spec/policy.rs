@@ -12,7 +12,7 @@
 
 use std::collections::VecDeque;
 
-use super::tree::Tree;
+use super::tree::{Tree, TreeShape};
 
 /// The measured cost of a verify: the target's layers over `n` tokens, and one head row.
 #[derive(Clone, Debug, PartialEq)]
@@ -66,8 +66,11 @@ pub struct Policy {
     /// Mean accepted draft tokens per round for each budget, and rounds observed.
     accepted: Vec<f64>,
     observed: usize,
-    /// Mean seconds of one draft (a model drafter's forwards), measured.
-    pub draft_secs: f64,
+    /// Mean seconds of drafting one depth level (a model drafter's forward), measured.
+    pub draft_level_secs: f64,
+    /// Deepest draft (the tree shape's `max_depth`): a costly drafter runs one forward per level,
+    /// `min(budget, max_depth)` levels for budget `budget`.
+    pub max_depth: usize,
     /// Trees waiting for their continuation: (index in the output where the tree's first
     /// draft token would go, tree).
     pending: VecDeque<(usize, Tree)>,
@@ -99,7 +102,8 @@ impl Policy {
             budgets,
             cost,
             observed: 0,
-            draft_secs: 0.0,
+            draft_level_secs: 0.0,
+            max_depth: usize::MAX,
             pending: VecDeque::new(),
             margin: 1.05,
             warmup: 4,
@@ -115,7 +119,7 @@ impl Policy {
         }
         // The walk reads one head row per emitted token.
         let tokens = 1.0 + self.accepted[i];
-        tokens / (self.cost.verify_secs(b + 1, tokens) + self.draft_secs)
+        tokens / (self.cost.verify_secs(b + 1, tokens) + self.draft_cost(b))
     }
 
     /// The budget for the next round.
@@ -127,7 +131,7 @@ impl Policy {
     /// token were accepted.
     pub fn choose(&self) -> usize {
         if self.observed < self.warmup {
-            if self.shadow || (self.draft_secs > 0.0 && !self.could_pay()) {
+            if self.shadow || (self.draft_level_secs > 0.0 && !self.could_pay()) {
                 return 0;
             }
             return self.budgets.get(1).copied().unwrap_or(0);
@@ -149,20 +153,40 @@ impl Policy {
         let plain = self.rate(0) * self.margin;
         self.budgets.iter().skip(1).any(|&b| {
             let tokens = 1.0 + b as f64;
-            tokens / (self.cost.verify_secs(b + 1, tokens) + self.draft_secs) > plain
+            tokens / (self.cost.verify_secs(b + 1, tokens) + self.draft_cost(b)) > plain
         })
     }
 
-    /// A draft took `secs` (a costly drafter's forwards): the first measurement as it is, then
-    /// a running mean.
-    pub fn drafted(&mut self, secs: f64) {
-        if !secs.is_finite() || secs <= 0.0 {
+    /// Seconds a costly drafter spends on a tree of budget `b` (0 until a draft was measured).
+    fn draft_cost(&self, b: usize) -> f64 {
+        self.draft_level_secs * b.min(self.max_depth) as f64
+    }
+
+    /// The shape to draft for a costly drafter: until one draft has been measured, the smallest
+    /// budget's (a probe of one level, so that a drafter that can never pay costs one cheap
+    /// draft before the policy falls back, not a full tree), then `shape`.
+    pub fn draft_shape(&self, shape: TreeShape) -> TreeShape {
+        if self.draft_level_secs > 0.0 {
+            return shape;
+        }
+        let probe = self.budgets.get(1).copied().unwrap_or(0);
+        TreeShape {
+            budget: probe.min(shape.budget),
+            ..shape
+        }
+    }
+
+    /// A draft of `levels` levels took `secs` (a costly drafter's forwards): the first
+    /// measurement as it is, then a running mean, per level.
+    pub fn drafted(&mut self, secs: f64, levels: usize) {
+        if !secs.is_finite() || secs <= 0.0 || levels == 0 {
             return;
         }
-        if self.draft_secs == 0.0 {
-            self.draft_secs = secs;
+        let per_level = secs / levels as f64;
+        if self.draft_level_secs == 0.0 {
+            self.draft_level_secs = per_level;
         } else {
-            self.draft_secs += 0.2 * (secs - self.draft_secs);
+            self.draft_level_secs += 0.2 * (per_level - self.draft_level_secs);
         }
     }
 
@@ -293,18 +317,42 @@ mod tests {
             head_row: 0.5,
         };
         let mut p = Policy::new(16, cost);
-        // Nothing observed or measured yet: the smallest budget, not the largest.
+        p.max_depth = 8;
+        let full = TreeShape::new(16, 4);
+        // Nothing observed or measured yet: the smallest budget, and a probe of one level.
         assert_eq!(p.choose(), 1);
-        // A draft as costly as ten plain steps: even 17 accepted tokens could not pay.
-        p.drafted(12.5);
-        assert_eq!(p.draft_secs, 12.5);
+        assert_eq!(p.draft_shape(full).budget, 1);
+        // One level as costly as ten plain steps: even 17 accepted tokens could not pay.
+        p.drafted(12.5, 1);
+        assert_eq!(p.draft_level_secs, 12.5);
         assert_eq!(p.choose(), 0);
-        // A cheap draft: speculation could pay, so the warm-up goes on.
+        // A cheap level: speculation could pay, so the warm-up goes on with full trees.
         let mut q = Policy::new(16, p.cost.clone());
-        q.drafted(0.01);
+        q.drafted(0.01, 1);
         assert_eq!(q.choose(), 1);
-        // Later measurements are a running mean.
-        q.drafted(1.01);
-        assert!((q.draft_secs - 0.21).abs() < 1e-12);
+        assert_eq!(q.draft_shape(full), full);
+        // Later measurements are a running mean per level.
+        q.drafted(2.02, 2);
+        assert!((q.draft_level_secs - 0.21).abs() < 1e-12);
+    }
+
+    #[test]
+    fn the_draft_cost_grows_with_the_levels_a_budget_drafts() {
+        // One level costs a quarter of a plain step and drafts are always right: budget 2 (two
+        // levels) pays, budget 16 at 8 levels pays less per token than 4 does at 4.
+        let cost = CostCurve {
+            secs: (1..=17).map(|n| 0.5 + 0.02 * n as f64).collect(),
+            head_row: 0.5,
+        };
+        let mut p = Policy::new(16, cost);
+        p.max_depth = 4;
+        p.drafted(0.25, 1);
+        let out: Vec<u32> = (0..200).collect();
+        for r in 0..10 {
+            p.record(r, chain(&out[r..r + 4]));
+            p.observe(&out[..r + 5]);
+        }
+        // Budgets 4, 8 and 16 all accept 4 (the depth); 8 and 16 verify more nodes for nothing.
+        assert_eq!(p.choose(), 4);
     }
 }
