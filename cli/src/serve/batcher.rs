@@ -839,7 +839,7 @@ fn walk_tree(
     let at = std::cell::Cell::new(0usize);
     let mut row = |node: usize| {
         at.set(node);
-        node_logits(node).map(<[f32]>::to_vec)
+        node_logits(node)
     };
     let mut finish = None;
     let out = &mut s.out;

@@ -56,14 +56,47 @@ pub trait Target {
     fn sampling(&self) -> bool;
 }
 
-/// The engine's target: logits of a node from `row`, drawn by a [`Sampler`].
-pub struct SamplerTarget<'s, F: FnMut(usize) -> Result<Vec<f32>, SpecError>> {
-    pub row: F,
-    pub sampler: &'s mut Sampler,
-    last: Option<(usize, Vec<f32>)>,
+/// A node's logits as [`SamplerTarget`]'s `row` hands them out: borrowed or shared, never copied.
+pub trait LogitsRow {
+    fn logits(&self) -> &[f32];
 }
 
-impl<'s, F: FnMut(usize) -> Result<Vec<f32>, SpecError>> SamplerTarget<'s, F> {
+impl LogitsRow for &[f32] {
+    fn logits(&self) -> &[f32] {
+        self
+    }
+}
+
+impl LogitsRow for Vec<f32> {
+    fn logits(&self) -> &[f32] {
+        self
+    }
+}
+
+impl LogitsRow for std::rc::Rc<Vec<f32>> {
+    fn logits(&self) -> &[f32] {
+        self
+    }
+}
+
+/// The engine's target: logits of a node from `row`, drawn by a [`Sampler`]. `row` hands out
+/// any `R` that reads as a slice (a borrowed row of a batch's logits, a shared row of a verify),
+/// so that a row is never copied to be sampled.
+pub struct SamplerTarget<'s, F, R>
+where
+    F: FnMut(usize) -> Result<R, SpecError>,
+    R: LogitsRow,
+{
+    pub row: F,
+    pub sampler: &'s mut Sampler,
+    last: Option<(usize, R)>,
+}
+
+impl<'s, F, R> SamplerTarget<'s, F, R>
+where
+    F: FnMut(usize) -> Result<R, SpecError>,
+    R: LogitsRow,
+{
     pub fn new(row: F, sampler: &'s mut Sampler) -> Self {
         SamplerTarget {
             row,
@@ -76,20 +109,24 @@ impl<'s, F: FnMut(usize) -> Result<Vec<f32>, SpecError>> SamplerTarget<'s, F> {
         if self.last.as_ref().map(|l| l.0) != Some(node) {
             self.last = Some((node, (self.row)(node)?));
         }
-        Ok(self.last.as_ref().map_or(&[][..], |l| &l.1[..]))
+        Ok(self.last.as_ref().map_or(&[][..], |l| l.1.logits()))
     }
 }
 
-impl<F: FnMut(usize) -> Result<Vec<f32>, SpecError>> Target for SamplerTarget<'_, F> {
+impl<F, R> Target for SamplerTarget<'_, F, R>
+where
+    F: FnMut(usize) -> Result<R, SpecError>,
+    R: LogitsRow,
+{
     fn draw(&mut self, node: usize, history: &[u32]) -> Result<u32, SpecError> {
         self.logits(node)?;
-        let logits = self.last.as_ref().map_or(&[][..], |l| &l.1[..]);
+        let logits = self.last.as_ref().map_or(&[][..], |l| l.1.logits());
         Ok(self.sampler.sample(logits, history))
     }
 
     fn prob(&mut self, node: usize, history: &[u32], token: u32) -> Result<f64, SpecError> {
         self.logits(node)?;
-        let logits = self.last.as_ref().map_or(&[][..], |l| &l.1[..]);
+        let logits = self.last.as_ref().map_or(&[][..], |l| l.1.logits());
         Ok(self
             .sampler
             .distribution(logits, history)

@@ -470,10 +470,10 @@ pub fn generate<'m, B: Backend + 'm>(
         let mut visited = Vec::new();
         let before = out.len();
         let walk = {
-            let mut row = |node: usize| -> Result<Vec<f32>, SpecError> {
+            let mut row = |node: usize| -> Result<std::rc::Rc<Vec<f32>>, SpecError> {
                 let l = verified.logits(engine, node)?;
                 if cfg.trace {
-                    visited.push((node, l.clone()));
+                    visited.push((node, l.to_vec()));
                 }
                 Ok(l)
             };

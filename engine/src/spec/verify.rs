@@ -8,6 +8,7 @@
 //! walk may visit, in one pass over the head's weights per [`HeadRows`] plan.
 
 use std::collections::HashMap;
+use std::rc::Rc;
 
 use crate::runtime::{Backend, Batch, Engine, Hidden, KvCache, SeqId};
 
@@ -48,7 +49,8 @@ pub fn tree_batch(tree: &Tree, seq: SeqId, start: u32) -> Batch {
 pub struct Verified<'t, B: Backend> {
     tree: &'t Tree,
     hidden: Hidden<B>,
-    logits: HashMap<usize, Vec<f32>>,
+    /// Each computed row, shared: the acceptance walk samples it where it lies.
+    logits: HashMap<usize, Rc<Vec<f32>>>,
     plan: HeadRows,
     /// Head passes and rows computed, and their seconds.
     pub head_passes: usize,
@@ -117,14 +119,24 @@ impl<B: Backend> Verified<'_, B> {
         self.head_secs += t.elapsed().as_secs_f64();
         self.head_passes += 1;
         self.head_rows += rows.len();
-        for (i, &r) in rows.iter().enumerate() {
-            self.logits.insert(r, l.row(i).to_vec());
+        if let [r] = rows[..] {
+            // One row (every plain round, and a walk's rows one at a time): the head's output
+            // buffer itself, not a copy of its 1 MiB (262k-entry vocabulary).
+            self.logits.insert(r, Rc::new(l.data));
+        } else {
+            for (i, &r) in rows.iter().enumerate() {
+                self.logits.insert(r, Rc::new(l.row(i).to_vec()));
+            }
         }
         Ok(())
     }
 
-    /// The target's logits at `node` (computed now if the plan skipped it).
-    pub fn logits<'m>(&mut self, engine: &Engine<'m, B>, node: usize) -> Result<Vec<f32>, SpecError>
+    /// The target's logits at `node` (computed now if the plan skipped it), shared, not copied.
+    pub fn logits<'m>(
+        &mut self,
+        engine: &Engine<'m, B>,
+        node: usize,
+    ) -> Result<Rc<Vec<f32>>, SpecError>
     where
         B: 'm,
     {
