@@ -517,6 +517,9 @@ impl<'a, 'm, E: BatchEngine> Batcher<'a, 'm, E> {
             let mut p = Policy::new(setup.cfg.shape.budget, c.clone());
             p.shadow = !proposer.is_costly();
             p.max_depth = setup.cfg.shape.max_depth;
+            if let Some(f) = proposer.self_draft_fraction() {
+                p.self_draft(f);
+            }
             p
         });
         Ok(Some(SeqSpec {

@@ -460,6 +460,9 @@ pub fn generate<'m, B: Backend + 'm>(
         }
         plan => plan,
     };
+    if let (Some(p), Some(f)) = (policy.as_mut(), proposer.self_draft_fraction()) {
+        p.self_draft(f);
+    }
     loop {
         let (tree, draft_secs) =
             draft_round(proposer, policy.as_mut(), &history, cfg.shape, out.len())?;

@@ -162,6 +162,15 @@ impl Policy {
         self.draft_level_secs * b.min(self.max_depth) as f64
     }
 
+    /// A self-draft runs `fraction` of the target's layers and the target's head: price one of
+    /// its levels from the cost curve before any draft (so that one that can never pay is never
+    /// run, not even as a probe). Nothing changes once a draft has been timed.
+    pub fn self_draft(&mut self, fraction: f64) {
+        if self.draft_level_secs == 0.0 && fraction.is_finite() && fraction > 0.0 {
+            self.draft_level_secs = fraction * self.cost.secs(1) + self.cost.head_row;
+        }
+    }
+
     /// The shape to draft for a costly drafter: until one draft has been measured, the smallest
     /// budget's (a probe of one level, so that a drafter that can never pay costs one cheap
     /// draft before the policy falls back, not a full tree), then `shape`.
@@ -334,6 +343,32 @@ mod tests {
         // Later measurements are a running mean per level.
         q.drafted(2.02, 2);
         assert!((q.draft_level_secs - 0.21).abs() < 1e-12);
+    }
+
+    #[test]
+    fn a_self_draft_that_cannot_pay_is_never_run() {
+        // Gemma 3 270M at 2 threads: layers 0.4 of a step, the head row 0.6. Four layers of 18
+        // and the full head cost 0.69 of a step per level, and every emitted token costs a head
+        // row in the verify: no budget pays even if every draft token is accepted.
+        let cost = CostCurve {
+            secs: (1..=17).map(|n| 0.2 + 0.2 * n as f64).collect(),
+            head_row: 0.6,
+        };
+        let mut p = Policy::new(8, cost.clone());
+        p.max_depth = 4;
+        p.self_draft(4.0 / 18.0);
+        assert!((p.draft_level_secs - (4.0 / 18.0 * 0.4 + 0.6)).abs() < 1e-12);
+        assert_eq!(p.choose(), 0);
+        // A cheap head (a small vocabulary): the same self-draft could pay, so it warms up.
+        let mut q = Policy::new(
+            8,
+            CostCurve {
+                head_row: 0.01,
+                ..cost
+            },
+        );
+        q.self_draft(4.0 / 18.0);
+        assert_eq!(q.choose(), 1);
     }
 
     #[test]

@@ -34,6 +34,14 @@ pub trait Proposer {
     fn is_costly(&self) -> bool {
         false
     }
+
+    /// For a self-draft (the target's own first layers and its head): the fraction of the
+    /// target's layers it runs, so that the cost of one draft level is known before drafting
+    /// (that fraction of a decode step's layers, plus one head row). `None` for any other
+    /// drafter.
+    fn self_draft_fraction(&self) -> Option<f64> {
+        None
+    }
 }
 
 /// The best-first tree of a conditional drafter: `next(text)` gives the candidates after the
@@ -183,6 +191,12 @@ impl<'m, B: Backend + 'm> Proposer for ModelProposer<'_, 'm, B> {
 
     fn is_costly(&self) -> bool {
         true
+    }
+
+    fn self_draft_fraction(&self) -> Option<f64> {
+        let all = self.engine.model().config().n_layer;
+        let n = self.engine.n_layers();
+        (n < all).then(|| n as f64 / all as f64)
     }
 
     fn propose(&mut self, context: &[u32], shape: TreeShape) -> Result<Tree, SpecError> {
