@@ -204,9 +204,7 @@ pub fn run(args: Args) -> Result<()> {
                         }
                     };
                     cfg.head_rows = plan;
-                    if let Some(c) = cfg.cost.as_mut() {
-                        c.head_row = per_row;
-                    }
+                    cfg.head_per_row = Some(per_row);
                 }
                 // Plain decoding again right before each speculative run (a paired ratio: the
                 // machine's load changes between runs).

@@ -71,8 +71,11 @@ pub struct SpecConfig {
     /// Keep each round's tree, visited logits and walk in [`SpecOutput::trace`] (for checks).
     pub trace: bool,
     /// The measured cost of verifying n tokens, if already known (else the adaptive policy
-    /// measures it after the prefill).
+    /// measures it after the prefill). Its `head_row` is a one-row head pass.
     pub cost: Option<CostCurve>,
+    /// With a `head_rows` plan measured beforehand ([`choose_head_rows`], once for many
+    /// generations): its cost per head row, which the adaptive policy prices verify rows at.
+    pub head_per_row: Option<f64>,
 }
 
 impl SpecConfig {
@@ -84,6 +87,7 @@ impl SpecConfig {
             head_rows: HeadRows::Auto,
             trace: false,
             cost: None,
+            head_per_row: None,
         }
     }
 
@@ -458,7 +462,12 @@ pub fn generate<'m, B: Backend + 'm>(
             }
             plan
         }
-        plan => plan,
+        plan => {
+            if let (Some(p), Some(r)) = (policy.as_mut(), cfg.head_per_row) {
+                p.cost.head_row = r;
+            }
+            plan
+        }
     };
     if let (Some(p), Some(f)) = (policy.as_mut(), proposer.self_draft_fraction()) {
         p.self_draft(f);

@@ -71,6 +71,11 @@ pub struct Policy {
     /// Deepest draft (the tree shape's `max_depth`): a costly drafter runs one forward per level,
     /// `min(budget, max_depth)` levels for budget `budget`.
     pub max_depth: usize,
+    /// Seconds of a one-row head pass (the cost curve's `head_row` when the policy was made,
+    /// before a multi-row plan reprices verify rows): a plain step's head and a self-draft's.
+    pub head_one: f64,
+    /// `draft_level_secs` is [`Policy::self_draft`]'s estimate, not yet a measurement.
+    draft_estimated: bool,
     /// Trees waiting for their continuation: (index in the output where the tree's first
     /// draft token would go, tree).
     pending: VecDeque<(usize, Tree)>,
@@ -87,6 +92,7 @@ pub struct Policy {
 
 impl Policy {
     pub fn new(max_budget: usize, cost: CostCurve) -> Policy {
+        let head_one = cost.head_row;
         let mut budgets = vec![0usize];
         let mut b = 1;
         while b < max_budget {
@@ -104,6 +110,8 @@ impl Policy {
             observed: 0,
             draft_level_secs: 0.0,
             max_depth: usize::MAX,
+            head_one,
+            draft_estimated: false,
             pending: VecDeque::new(),
             margin: 1.05,
             warmup: 4,
@@ -115,7 +123,7 @@ impl Policy {
     pub fn rate(&self, i: usize) -> f64 {
         let b = self.budgets[i];
         if b == 0 {
-            return 1.0 / self.cost.verify_secs(1, 1.0);
+            return 1.0 / (self.cost.secs(1) + self.head_one);
         }
         // The walk reads one head row per emitted token.
         let tokens = 1.0 + self.accepted[i];
@@ -164,10 +172,13 @@ impl Policy {
 
     /// A self-draft runs `fraction` of the target's layers and the target's head: price one of
     /// its levels from the cost curve before any draft (so that one that can never pay is never
-    /// run, not even as a probe). Nothing changes once a draft has been timed.
+    /// run, not even as a probe). Nothing changes once a draft has been timed; the first timed
+    /// draft replaces the estimate (a curve whose `secs` include the head, with `head_row` 0,
+    /// gives a low estimate).
     pub fn self_draft(&mut self, fraction: f64) {
         if self.draft_level_secs == 0.0 && fraction.is_finite() && fraction > 0.0 {
-            self.draft_level_secs = fraction * self.cost.secs(1) + self.cost.head_row;
+            self.draft_level_secs = fraction * self.cost.secs(1) + self.head_one;
+            self.draft_estimated = true;
         }
     }
 
@@ -192,7 +203,8 @@ impl Policy {
             return;
         }
         let per_level = secs / levels as f64;
-        if self.draft_level_secs == 0.0 {
+        if self.draft_level_secs == 0.0 || self.draft_estimated {
+            self.draft_estimated = false;
             self.draft_level_secs = per_level;
         } else {
             self.draft_level_secs += 0.2 * (per_level - self.draft_level_secs);
@@ -369,6 +381,11 @@ mod tests {
         );
         q.self_draft(4.0 / 18.0);
         assert_eq!(q.choose(), 1);
+        // The first timed draft replaces the estimate; later ones are a running mean.
+        q.drafted(0.5, 1);
+        assert_eq!(q.draft_level_secs, 0.5);
+        q.drafted(1.5, 1);
+        assert!((q.draft_level_secs - 0.7).abs() < 1e-12);
     }
 
     #[test]
