@@ -352,6 +352,60 @@ impl ReferenceModel {
         tokens: &[u32],
         taps: &mut TapObserver<'_>,
     ) -> Result<Vec<f32>, ReferenceError> {
+        let x = self.hidden(tokens, taps)?;
+        let logits = self.head(&x)?;
+        ops::tap(taps, "logits", &logits)?;
+        to_host(&logits)
+    }
+
+    /// [`Self::forward`] without the output head: every tap up to `output_norm`, and the
+    /// `output_norm` values `[n_tokens × n_embd]` returned, for [`Self::logits_of`] to turn into
+    /// logits a few rows at a time (a long sequence's logits need not be held all at once:
+    /// 640 tokens of a 262144-word vocabulary are 671 MB of f32).
+    pub fn forward_hidden(
+        &self,
+        tokens: &[u32],
+        taps: &mut TapObserver<'_>,
+    ) -> Result<Vec<f32>, ReferenceError> {
+        to_host(&self.hidden(tokens, taps)?)
+    }
+
+    /// The logits of rows of `output_norm` values (`[rows × n_embd]`, as [`Self::forward_hidden`]
+    /// returns them): `[rows × vocab]`. The head's products are per row, so these are the rows
+    /// [`Self::forward`] computes for the same tokens (in [`Precision::F64`], up to the rounding
+    /// of the hidden states to f32).
+    pub fn logits_of(&self, normed: &[f32]) -> Result<Vec<f32>, ReferenceError> {
+        let n_embd = self.n_embd();
+        if n_embd == 0 || !normed.len().is_multiple_of(n_embd) {
+            return Err(ReferenceError::Unsupported(format!(
+                "logits_of: expected whole rows of {n_embd} values, found {}",
+                normed.len()
+            )));
+        }
+        let x = candle_core::Tensor::from_slice(
+            normed,
+            (normed.len() / n_embd, n_embd),
+            &candle_core::Device::Cpu,
+        )?
+        .to_dtype(self.precision.dtype())?;
+        to_host(&self.head(&x)?)
+    }
+
+    /// Width of the residual stream (`output_norm`'s width).
+    pub fn n_embd(&self) -> usize {
+        match &self.arch {
+            Arch::Llama(m) => m.vocab().n_embd(),
+            Arch::Gemma3(m) => m.vocab().n_embd(),
+            Arch::Deepseek2(m) => m.vocab().n_embd(),
+        }
+    }
+
+    /// The layers and output norm (every tap up to `output_norm`), after checking the tokens.
+    fn hidden(
+        &self,
+        tokens: &[u32],
+        taps: &mut TapObserver<'_>,
+    ) -> Result<candle_core::Tensor, ReferenceError> {
         if tokens.is_empty() {
             return Err(ReferenceError::EmptyInput);
         }
@@ -367,14 +421,23 @@ impl ReferenceModel {
                 vocab_size,
             });
         }
-        let logits = match &self.arch {
-            Arch::Llama(m) => m.forward(tokens, taps)?,
-            Arch::Gemma3(m) => m.forward(tokens, taps)?,
-            Arch::Deepseek2(m) => m.forward(tokens, taps)?,
-        };
-        Ok(logits
-            .to_dtype(DType::F32)?
-            .flatten_all()?
-            .to_vec1::<f32>()?)
+        Ok(match &self.arch {
+            Arch::Llama(m) => m.hidden(tokens, taps)?,
+            Arch::Gemma3(m) => m.hidden(tokens, taps)?,
+            Arch::Deepseek2(m) => m.hidden(tokens, taps)?,
+        })
     }
+
+    fn head(&self, x: &candle_core::Tensor) -> Result<candle_core::Tensor, ReferenceError> {
+        Ok(match &self.arch {
+            Arch::Llama(m) => m.head(x)?,
+            Arch::Gemma3(m) => m.head(x)?,
+            Arch::Deepseek2(m) => m.head(x)?,
+        })
+    }
+}
+
+/// A tensor's values as f32, row-major.
+fn to_host(t: &candle_core::Tensor) -> Result<Vec<f32>, ReferenceError> {
+    Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
 }

@@ -390,6 +390,16 @@ impl Matrix {
             // Serving: the greedy gate through `plumbline serve` (xtask verify/serve_case.rs).
             cases.push(Case::new(&m.name, w0, cpu, 1, Topology::Shm, Spec::Serve));
         }
+        // The other paths through the engine (xtask verify/path_case.rs): chunked prefill with
+        // odd chunk sizes, and decode step by step, for every model on its first weight type.
+        let cpu = machine.best_cpu_backend();
+        for m in models {
+            if let Some(w0) = m.weights.first() {
+                for spec in [Spec::Chunked, Spec::Decode] {
+                    cases.push(Case::new(&m.name, w0, cpu, 1, Topology::Shm, spec));
+                }
+            }
+        }
         cases
     }
 }

@@ -270,6 +270,10 @@ impl Deepseek2 {
         &mut self.vocab
     }
 
+    pub fn vocab(&self) -> &Vocab {
+        &self.vocab
+    }
+
     pub fn vocab_size(&self) -> usize {
         self.vocab.n_vocab()
     }
@@ -278,7 +282,8 @@ impl Deepseek2 {
         self.layers.len()
     }
 
-    pub fn forward(&self, tokens: &[u32], taps: Taps<'_>) -> Result<Tensor> {
+    /// Every tap up to `output_norm`; returns the normed final hidden states `[n, n_embd]`.
+    pub fn hidden(&self, tokens: &[u32], taps: Taps<'_>) -> Result<Tensor> {
         let n = tokens.len();
         let (h, nope, rd, vd) = (self.n_head, self.nope, self.rope_dim, self.v_dim);
         let mut x = self.vocab.embed(tokens)?;
@@ -355,9 +360,12 @@ impl Deepseek2 {
         }
         let x = rms_norm(&x, &self.output_norm, self.eps)?;
         tap(taps, "output_norm", &x)?;
-        let logits = self.vocab.logits(&x)?;
-        tap(taps, "logits", &logits)?;
-        Ok(logits)
+        Ok(x)
+    }
+
+    /// The output head on normed hidden states `x: [n, n_embd]`.
+    pub fn head(&self, x: &Tensor) -> Result<Tensor> {
+        self.vocab.logits(x)
     }
 
     /// Routed experts plus shared experts for `m: [n, n_embd]` given router `logits: [n, n_expert]`.
