@@ -225,7 +225,14 @@ mod tests {
             assert_eq!(round_trip::<Topology>(s).as_deref(), Some(s));
         }
         assert!("nvl".parse::<Topology>().is_err());
-        for s in ["off", "tree-b8k4", "tree-b16k2", "serve", "chunked", "decode"] {
+        for s in [
+            "off",
+            "tree-b8k4",
+            "tree-b16k2",
+            "serve",
+            "chunked",
+            "decode",
+        ] {
             assert_eq!(round_trip::<Spec>(s).as_deref(), Some(s));
         }
         for s in [

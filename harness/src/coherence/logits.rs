@@ -172,10 +172,11 @@ impl LogitAccumulator {
                 why: format!("expected token ids below n_vocab {n_vocab}, found {bad}"),
             });
         }
-        for (&target, (r, e)) in targets
-            .iter()
-            .zip(reference.chunks_exact(n_vocab).zip(engine.chunks_exact(n_vocab)))
-        {
+        for (&target, (r, e)) in targets.iter().zip(
+            reference
+                .chunks_exact(n_vocab)
+                .zip(engine.chunks_exact(n_vocab)),
+        ) {
             let t = self.klds.len();
             let (lr, le) = (log_softmax(r), log_softmax(e));
             self.klds.push(kl_divergence(&lr, &le));
