@@ -987,6 +987,109 @@ mod tests {
         assert!((out[1].1 - 1.0 / 204.0).abs() < 1e-12);
         assert!(s[1].points[0].nmse_max < s[1].points[1].nmse_max);
     }
+
+    #[test]
+    fn accumulated_chunks_equal_the_whole_tap() {
+        let e: Vec<f32> = vec![1.0, 2.5, f32::NAN, 4.0, 5.0, -6.0, 7.0, 8.5, 0.0];
+        let r: Vec<f32> = vec![1.0, 2.0, 3.0, 4.0, 5.5, -6.0, 7.0, 8.0, f32::INFINITY];
+        let whole = tap_metrics(&e, &r, 3);
+        for cuts in [vec![3], vec![3, 6], vec![6], vec![0, 9]] {
+            let mut acc = MetricsAccumulator::default();
+            let mut at = 0;
+            for &c in cuts.iter().chain(std::iter::once(&9)) {
+                acc.push(&e[at..c], &r[at..c], 3);
+                at = c;
+            }
+            let m = acc.finish();
+            // The same sums in the same order: equal, not merely close.
+            assert_eq!(m, whole, "cuts {cuts:?}");
+        }
+        let Some(mx) = whole.max_abs else {
+            panic!("no max abs")
+        };
+        // Row 2 of width 3: the index counts from the first chunk.
+        assert_eq!((mx.flat_index, mx.token, mx.column), (1, 0, 1));
+        assert_eq!(whole.non_finite.first_mismatch, Some(2));
+    }
+
+    // Rows `rows` of a tap over 4 positions, width 2: value 1 + position + column, plus `bad`
+    // at the positions it names.
+    fn rows_of(name: &str, rows: std::ops::Range<usize>, bad: &dyn Fn(usize) -> f32) -> Tap {
+        let data = rows
+            .clone()
+            .flat_map(|p| (0..2).map(move |c| (p, c)))
+            .map(|(p, c)| 1.0 + p as f32 + c as f32 + bad(p))
+            .collect();
+        Tap::new(name, vec![rows.len(), 2], data)
+    }
+
+    fn chunked(bad: &dyn Fn(usize) -> f32, missing_at: Option<usize>) -> ChunkedComparison {
+        let policy = TolerancePolicy::default();
+        let mut c = ChunkedComparison::new();
+        let names = ["embed", "blk.0.q", "blk.0.out", "blk.1.q", "blk.1.out"];
+        // Two blocks of two single-row calls each (a decode run), then the logits per block.
+        for block in [0..2, 2..4] {
+            for p in block.clone() {
+                let r: Vec<Tap> = names
+                    .iter()
+                    .map(|n| rows_of(n, p..p + 1, &|_| 0.0))
+                    .collect();
+                let mut e: Vec<Tap> = names
+                    .iter()
+                    .map(|n| match *n {
+                        "blk.1.q" => rows_of(n, p..p + 1, bad),
+                        _ => rows_of(n, p..p + 1, &|_| 0.0),
+                    })
+                    .collect();
+                if missing_at == Some(p) {
+                    e.retain(|t| t.name != "blk.0.out");
+                }
+                c.push(p..p + 1, &e, &r, &policy, &ctx());
+            }
+            let logits = |bad: &dyn Fn(usize) -> f32| rows_of("logits", block.clone(), bad);
+            c.push(
+                block.clone(),
+                &[logits(&|_| 0.0)],
+                &[logits(&|_| 0.0)],
+                &policy,
+                &ctx(),
+            );
+            c.close_block();
+        }
+        c
+    }
+
+    #[test]
+    fn chunked_comparison_names_the_first_bad_block() {
+        let clean = chunked(&|_| 0.0, None);
+        assert_eq!(clean.divergent_rows(), None);
+        let clean = clean.finish();
+        assert!(clean.passed());
+        assert_eq!((clean.taps.len(), clean.n_layers), (6, 2));
+        // Totals cover all four rows; the logits, pushed apart, got the bound of depth 2.
+        let logits = clean.tap("logits").map(|t| (t.shape.clone(), t.tolerance));
+        let policy = TolerancePolicy::default();
+        let want = policy.tolerance(TapKind::Logits, None, 2, &ctx());
+        assert_eq!(logits, Some((vec![4, 2], want)));
+
+        // Only position 3 is wrong: the second block is the finding, at blk.1.q.
+        let late = chunked(&|p| if p == 3 { 0.5 } else { 0.0 }, None);
+        assert_eq!(late.divergent_rows(), Some(2..4));
+        let late = late.finish();
+        assert_eq!(
+            late.first_divergence.map(|d| d.finding.tap().to_owned()),
+            Some("blk.1.q".to_owned())
+        );
+
+        // A tap missing from one call is a finding of that call, before any tolerance.
+        let missing = chunked(&|p| if p == 3 { 0.5 } else { 0.0 }, Some(1));
+        assert_eq!(missing.divergent_rows(), Some(1..2));
+        let f = missing.finish().first_divergence.map(|d| d.finding);
+        assert!(
+            matches!(&f, Some(Finding::MissingTap { tap }) if tap == "blk.0.out"),
+            "{f:?}"
+        );
+    }
 }
 
 #[cfg(test)]

@@ -369,6 +369,35 @@ impl LogitStats {
 mod tests {
     use super::*;
 
+    #[test]
+    fn accumulated_rows_equal_the_whole_text() {
+        let n_vocab = 3;
+        let r = [
+            0.1f32, 2.0, -1.0, 1.0, 0.0, 0.5, 3.0, 1.0, 2.9, -2.0, 0.0, 1.0,
+        ];
+        let e = [
+            0.0f32, 2.1, -1.0, 1.0, 0.2, 0.5, 2.9, 1.0, 3.0, -2.0, 0.1, 1.0,
+        ];
+        let targets = [1u32, 0, 2, 2];
+        let whole = logit_agreement(&r, &e, n_vocab, &targets).ok();
+        let mut acc = LogitAccumulator::new(n_vocab).ok();
+        for (rows, (ra, ea)) in [(0..1, (0..3, 0..3)), (1..4, (3..12, 3..12))] {
+            if let Some(a) = acc.as_mut() {
+                assert!(a.push(&r[ra], &e[ea], &targets[rows]).is_ok());
+            }
+        }
+        let pieces = acc.and_then(|a| a.finish().ok());
+        assert!(whole.is_some());
+        assert_eq!(pieces, whole);
+        // Rows of the wrong length, and nothing pushed at all, are errors.
+        let mut a = LogitAccumulator::new(n_vocab).ok();
+        assert!(a
+            .as_mut()
+            .is_some_and(|a| a.push(&r[..2], &e[..3], &targets[..1]).is_err()));
+        assert!(a.is_some_and(|a| a.finish().is_err()));
+        assert!(LogitAccumulator::new(0).is_err());
+    }
+
     fn stats(reference: &[f32], engine: &[f32], n_vocab: usize, targets: &[u32]) -> LogitStats {
         match logit_agreement(reference, engine, n_vocab, targets) {
             Ok(s) => s,

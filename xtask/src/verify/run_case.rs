@@ -1,7 +1,7 @@
 //! One verify case: the engine and the reference on the same tokens, tap by tap, then the
 //! coherence and throughput gates.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -82,6 +82,11 @@ pub struct ReferenceRun {
     pub golden: GateResult,
     /// The model's f32 size, whole and per layer, as the reference counts it.
     pub footprint: Footprint,
+    /// How each MoE layer chooses its experts (by layer; empty for a dense model), for the
+    /// route-aware comparison ([`super::routes`]).
+    pub routing: BTreeMap<usize, reference::Routing>,
+    /// How the reference held its weights (a forced-route rerun holds them the same way).
+    pub residency: Residency,
 }
 
 impl ReferenceRun {
@@ -311,6 +316,21 @@ pub fn reference_run(
             exact_taps.push(Tap::new(name, shape.to_vec(), data.to_vec()))
         })
         .context("exact-numerics reference forward pass")?;
+    // The routing of every layer with a router tap (a streaming model reads those layers again).
+    let mut routing = BTreeMap::new();
+    for t in &exact_taps {
+        let layer = harness::tap::TapId::parse(&t.name)
+            .filter(|id| id.kind == harness::tap::TapKind::Router)
+            .and_then(|id| id.layer);
+        if let Some(layer) = layer {
+            if let Some(r) = exact
+                .routing(layer)
+                .with_context(|| format!("the reference's routing of layer {layer}"))?
+            {
+                routing.insert(layer, r);
+            }
+        }
+    }
     Ok(ReferenceRun {
         text_ids,
         tokens,
@@ -323,6 +343,8 @@ pub fn reference_run(
         bos,
         golden: GateResult::not_judged("golden", 0.0, "not computed".to_owned()),
         footprint,
+        routing,
+        residency,
     })
 }
 
@@ -496,6 +518,25 @@ pub fn run(
         .context("engine forward pass, layer-isolated")?;
     let isolated =
         harness::compare::compare_taps(&iso.taps, &reference.exact_taps, env.policy, &exact_ctx);
+    // MoE, route-aware: flips of the expert choice between the two routers' logits, accepted
+    // inside the tie margin, and their layers compared with the reference following the
+    // engine's choice (super::routes).
+    let router_bound = env
+        .policy
+        .exact_tolerance(harness::tap::TapKind::Router, &exact_ctx)
+        .nmse_max;
+    let flips = super::routes::flips(
+        &reference.routing,
+        &iso.taps,
+        &reference.exact_taps,
+        router_bound,
+    );
+    let isolated = match follow_flips(ref_src, reference, &flips)? {
+        Some(followed) => {
+            harness::compare::compare_taps(&iso.taps, &followed, env.policy, &exact_ctx)
+        }
+        None => isolated,
+    };
     // End to end against the exact reference: reported (how far exact numerics stay together
     // through the depth), judged by neither bound.
     let exact_e2e =
@@ -511,6 +552,9 @@ pub fn run(
     let mut gates: Vec<GateResult> = vec![tokens_gate];
     gates.extend(bos);
     gates.push(reference.golden.clone());
+    if !reference.routing.is_empty() {
+        gates.push(super::routes::gate(&flips));
+    }
     // Logit agreement over the text: position t predicts token t+1.
     let n_pos = reference.tokens.len() - 1;
     let stats = coherence::logit_agreement(
@@ -628,6 +672,46 @@ pub fn run(
         .with_tolerances(env.policy.table(n_layers, &ctx))
         .with_duration(started.elapsed().as_secs_f64());
     Ok((result, measured))
+}
+
+/// The exact reference's taps with the `ffn_out` and `out` of each layer that has flips inside
+/// the tie margin recomputed following the engine's choice (one forced run per layer, so each
+/// layer's input stays the unforced reference's, as layer isolation feeds the engine); `None`
+/// when there is nothing to follow.
+fn follow_flips(
+    src: RefSource<'_>,
+    reference: &ReferenceRun,
+    flips: &[super::routes::Flip],
+) -> Result<Option<Vec<Tap>>> {
+    let forced = super::routes::forced(flips);
+    if forced.is_empty() {
+        return Ok(None);
+    }
+    let exact = src
+        .open(Precision::Exact, reference.residency)
+        .context("the exact-numerics reference, to follow the engine's expert choices")?;
+    let mut per_layer = BTreeMap::new();
+    let layers: std::collections::BTreeSet<usize> = forced.keys().map(|&(l, _)| l).collect();
+    for layer in layers {
+        let mine: reference::ForcedRoutes = forced
+            .iter()
+            .filter(|((l, _), _)| *l == layer)
+            .map(|(k, v)| (*k, v.clone()))
+            .collect();
+        let mut taps = Vec::new();
+        exact
+            .forward_hidden_routed(&reference.tokens, &mine, &mut |name, shape, data| {
+                taps.push(Tap::new(name, shape.to_vec(), data.to_vec()))
+            })
+            .with_context(|| {
+                format!("the reference following the engine's experts at layer {layer}")
+            })?;
+        per_layer.insert(layer, taps);
+    }
+    Ok(Some(super::routes::follow(
+        &reference.exact_taps,
+        &per_layer,
+    )))
 }
 
 /// The logit gates' bounds for a case: the weight class's floors, widened to admit the exact
