@@ -8,7 +8,8 @@ use std::collections::HashMap;
 use engine::taps::TapObserver;
 use harness::tap::Tap;
 
-/// Records the engine's taps and hands back the reference's residual stream.
+/// Records the engine's taps and hands back the reference's residual stream (with no reference
+/// taps it only records).
 pub struct Isolating<'r> {
     /// The reference's `embed` and `blk.{i}.out` taps by name.
     inputs: HashMap<&'r str, &'r [f32]>,

@@ -26,7 +26,6 @@ use std::time::Instant;
 
 use anyhow::{anyhow, bail, ensure, Context, Result};
 use engine::runtime::{CpuBackend, Engine, Session};
-use engine::taps::TapRecorder;
 use engine::tokenizer::Tokenizer;
 use harness::cases::{Case, Spec};
 use harness::coherence::{LogitAccumulator, LogitStats};
@@ -201,6 +200,37 @@ fn take_logits(taps: &mut Vec<Tap>) -> Result<Tap> {
     Ok(taps.remove(i))
 }
 
+/// One engine forward call over `chunk`, the tokens at positions `rows`, its taps (all but the
+/// logits) compared with `reference`'s rows for those positions; with `isolate`, every layer
+/// runs on the reference's residual stream. Returns the call's logits tap.
+#[allow(clippy::too_many_arguments)]
+fn call(
+    session: &mut Session<'_, '_, CpuBackend>,
+    chunk: &[u32],
+    rows: &Range<usize>,
+    reference: &[Tap],
+    isolate: bool,
+    comparison: &mut ChunkedComparison,
+    policy: &TolerancePolicy,
+    ctx: &CaseContext,
+) -> Result<Tap> {
+    // Without isolation the observer only records (it has nothing to hand back).
+    let mut obs = Isolating::rows(if isolate { reference } else { &[] }, rows.clone());
+    session.forward(chunk, Some(&mut obs)).with_context(|| {
+        format!("engine forward over positions {}..{}", rows.start, rows.end)
+    })?;
+    let mut taps = obs.taps;
+    let logits = take_logits(&mut taps)?;
+    comparison.push(
+        rows.clone(),
+        &taps,
+        &slice_rows(reference, rows),
+        policy,
+        ctx,
+    );
+    Ok(logits)
+}
+
 /// Engine logits rows waiting for a reference head pass, with their positions.
 #[derive(Default)]
 struct Pending {
@@ -242,48 +272,31 @@ fn compare_paths(
     let mut session = Session::new(engine, n + 1)?;
     let mut pending = Pending::default();
     let mut start = 0;
-    for (call, &size) in sizes.iter().enumerate() {
+    for (i, &size) in sizes.iter().enumerate() {
         let rows = start..start + size;
         let chunk = &tokens[rows.clone()];
-        let what = |mode: &str| {
-            format!(
-                "engine forward {mode} (call {call}, positions {}..{})",
-                rows.start, rows.end
-            )
-        };
-        let mut iso = Isolating::rows(&r.exact_taps, rows.clone());
-        iso_session
-            .forward(chunk, Some(&mut iso))
-            .with_context(|| what("layer-isolated"))?;
-        let mut iso_taps = iso.taps;
-        let iso_logits = take_logits(&mut iso_taps)?;
-        isolated.push(
-            rows.clone(),
-            &iso_taps,
-            &slice_rows(&r.exact_taps, &rows),
+        let iso_logits = call(
+            &mut iso_session,
+            chunk,
+            &rows,
+            &r.exact_taps,
+            true,
+            &mut isolated,
             policy,
             &exact_ctx,
-        );
-        drop(iso_taps);
-
-        let mut rec = TapRecorder::new();
-        session
-            .forward(chunk, Some(&mut rec))
-            .with_context(|| what("end to end"))?;
-        let mut taps: Vec<Tap> = rec
-            .taps
-            .into_iter()
-            .map(|t| Tap::new(t.name, t.shape, t.data))
-            .collect();
-        let logits = take_logits(&mut taps)?;
-        full.push(
-            rows.clone(),
-            &taps,
-            &slice_rows(&r.f32_taps, &rows),
+        )
+        .with_context(|| format!("call {i}, layer-isolated"))?;
+        let logits = call(
+            &mut session,
+            chunk,
+            &rows,
+            &r.f32_taps,
+            false,
+            &mut full,
             policy,
             ctx,
-        );
-        drop(taps);
+        )
+        .with_context(|| format!("call {i}, end to end"))?;
 
         // Calls come in position order: the pending rows end where this call starts.
         pending.end = rows.end;
