@@ -56,8 +56,9 @@ pub const LONG_MIN_TOKENS: usize = 600;
 /// decode step's attention reads up to 664 cells).
 pub const DECODE_PREFILL_FIXTURE: usize = 37;
 pub const DECODE_PREFILL_REAL: usize = 461;
-/// Rows of reference logits computed per head pass: a pass over a 262144-row head costs the same
-/// for 1 row as for 64, so decode steps are batched for it (64 rows of 262144 are 64 MiB).
+/// Rows of reference logits computed per head pass (a pass over a 262144-row head costs about
+/// the same for 1 row as for 64, so decode steps are batched for it; 64 rows of 262144 are
+/// 64 MiB), and the fewest rows a judged block has (the end of the text aside).
 pub const LOGIT_BLOCK: usize = 64;
 
 /// The chunk sizes of `spec` over `n` tokens.
@@ -216,9 +217,9 @@ fn call(
 ) -> Result<Tap> {
     // Without isolation the observer only records (it has nothing to hand back).
     let mut obs = Isolating::rows(if isolate { reference } else { &[] }, rows.clone());
-    session.forward(chunk, Some(&mut obs)).with_context(|| {
-        format!("engine forward over positions {}..{}", rows.start, rows.end)
-    })?;
+    session
+        .forward(chunk, Some(&mut obs))
+        .with_context(|| format!("engine forward over positions {}..{}", rows.start, rows.end))?;
     let mut taps = obs.taps;
     let logits = take_logits(&mut taps)?;
     comparison.push(
@@ -335,9 +336,9 @@ fn compare_paths(
 }
 
 /// The reference's logits for the pending rows (both precisions, from their `output_norm`
-/// rows), compared with the engine's: as the `logits` tap of each comparison, and row by row
-/// for the coherence statistics (position t predicts token t+1; the last position has no
-/// target).
+/// rows, at most [`LOGIT_BLOCK`] rows per head pass), compared with the engine's: as the
+/// `logits` tap of each comparison, and row by row for the coherence statistics (position t
+/// predicts token t+1; the last position has no target). Then the block is judged.
 #[allow(clippy::too_many_arguments)]
 fn compare_logits(
     r: &PathReference,
@@ -349,39 +350,50 @@ fn compare_logits(
     policy: &TolerancePolicy,
     ctx: &CaseContext,
 ) -> Result<()> {
-    let rows = p.start..p.end;
-    let normed = |taps: &[Tap]| -> Result<Vec<f32>> {
-        let t = slice_rows(taps, &rows)
-            .into_iter()
-            .find(|t| t.name == "output_norm")
-            .ok_or_else(|| anyhow!("the reference emitted no `output_norm` tap"))?;
-        Ok(t.data)
-    };
-    let ref_exact = r
-        .exact_model
-        .logits_of(&normed(&r.exact_taps)?)
-        .context("exact-numerics reference head")?;
-    let ref_f32 = r
-        .f32_model
-        .logits_of(&normed(&r.f32_taps)?)
-        .context("f32 reference head")?;
     let n_vocab = r.f32_model.vocab_size();
-    let tap = |data: Vec<f32>| Tap::new("logits", vec![rows.len(), n_vocab], data);
     let exact_ctx = ctx.with_numerics(Numerics::ExactIsolated);
-    isolated.push(
-        rows.clone(),
-        &[tap(p.isolated)],
-        &[tap(ref_exact.clone())],
-        policy,
-        &exact_ctx,
-    );
-    // Rows with a next token in the text.
-    let with_target = rows.start..rows.end.min(r.tokens.len() - 1);
-    let k = with_target.len() * n_vocab;
-    let targets = &r.tokens[with_target.start + 1..with_target.end + 1];
-    stats.push(&ref_f32[..k], &p.plain[..k], targets)?;
-    noise.push(&ref_f32[..k], &ref_exact[..k], targets)?;
-    full.push(rows.clone(), &[tap(p.plain)], &[tap(ref_f32)], policy, ctx);
+    let mut start = p.start;
+    while start < p.end {
+        let rows = start..(start + LOGIT_BLOCK).min(p.end);
+        let normed = |taps: &[Tap]| -> Result<Vec<f32>> {
+            let t = slice_rows(taps, &rows)
+                .into_iter()
+                .find(|t| t.name == "output_norm")
+                .ok_or_else(|| anyhow!("the reference emitted no `output_norm` tap"))?;
+            Ok(t.data)
+        };
+        let ref_exact = r
+            .exact_model
+            .logits_of(&normed(&r.exact_taps)?)
+            .context("exact-numerics reference head")?;
+        let ref_f32 = r
+            .f32_model
+            .logits_of(&normed(&r.f32_taps)?)
+            .context("f32 reference head")?;
+        let engine = |all: &[f32]| {
+            let at = (rows.start - p.start) * n_vocab;
+            all.get(at..at + rows.len() * n_vocab)
+                .unwrap_or(&[])
+                .to_vec()
+        };
+        let (iso, plain) = (engine(&p.isolated), engine(&p.plain));
+        // Rows with a next token in the text.
+        let with_target = rows.start..rows.end.min(r.tokens.len() - 1);
+        let k = with_target.len() * n_vocab;
+        let targets = &r.tokens[with_target.start + 1..with_target.end + 1];
+        stats.push(&ref_f32[..k], &plain[..k], targets)?;
+        noise.push(&ref_f32[..k], &ref_exact[..k], targets)?;
+        let tap = |data: Vec<f32>| Tap::new("logits", vec![rows.len(), n_vocab], data);
+        isolated.push(
+            rows.clone(),
+            &[tap(iso)],
+            &[tap(ref_exact)],
+            policy,
+            &exact_ctx,
+        );
+        full.push(rows.clone(), &[tap(plain)], &[tap(ref_f32)], policy, ctx);
+        start = rows.end;
+    }
     // The block's rows are complete on both sides: judge them.
     isolated.close_block();
     full.close_block();
