@@ -301,8 +301,17 @@ fn compare_paths(
 
         // Calls come in position order: the pending rows end where this call starts.
         pending.end = rows.end;
-        pending.isolated.extend_from_slice(&iso_logits.data);
-        pending.plain.extend_from_slice(&logits.data);
+        // Moved, not copied, when nothing is pending (a long prefill's rows are large).
+        for (buf, rows) in [
+            (&mut pending.isolated, iso_logits.data),
+            (&mut pending.plain, logits.data),
+        ] {
+            if buf.is_empty() {
+                *buf = rows;
+            } else {
+                buf.extend_from_slice(&rows);
+            }
+        }
         start = rows.end;
         if pending.end - pending.start >= LOGIT_BLOCK || start == n {
             let p = std::mem::replace(
