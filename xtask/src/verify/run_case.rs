@@ -881,6 +881,66 @@ fn bench(
 mod tests {
     use super::{bos_gate, tokens_gate};
 
+    /// The glue of the route-aware comparison on the deepseek2 fixture: a flip inside the margin
+    /// makes the reference rerun that layer following the engine's experts, and only that
+    /// layer's `ffn_out`/`out` rows of the flipped token change; a flip past it is not followed.
+    #[test]
+    fn followed_flips_replace_only_the_flipped_rows() {
+        use super::{follow_flips, reference_run, Budget, RefSource};
+        use crate::verify::routes::Flip;
+        use reference::Residency;
+        let (Ok(dir), Some(spec)) = (
+            tempfile::tempdir(),
+            golden::fixtures::by_name("deepseek2-lite-q8_0"),
+        ) else {
+            panic!("temp dir or fixture")
+        };
+        let path = golden::fixtures::write(&spec, dir.path()).unwrap_or_else(|e| panic!("{e}"));
+        let src = RefSource::File(&path);
+        let run = reference_run(src, Budget::for_model(false), Residency::Eager)
+            .unwrap_or_else(|e| panic!("{e:#}"));
+        let (&layer, routing) = run.routing.iter().next().expect("an MoE layer");
+        let router = run
+            .exact_taps
+            .iter()
+            .find(|t| t.name == format!("blk.{layer}.router"))
+            .expect("router tap");
+        let w = router.shape[1];
+        let logits: Vec<f64> = router.data[3 * w..4 * w]
+            .iter()
+            .map(|&x| x as f64)
+            .collect();
+        let ranking = routing.ranking(&logits);
+        let k = routing.n_expert_used;
+        // The engine's choice: the reference's with its last expert replaced by the next one.
+        let mut engine: Vec<usize> = ranking[..k].to_vec();
+        engine[k - 1] = ranking[k];
+        let flip = |margin: f64| Flip {
+            layer,
+            token: 3,
+            engine: engine.iter().map(|&e| (e, 0.0)).collect(),
+            reference: ranking[..k].iter().map(|&e| (e, 0.0)).collect(),
+            gap: 0.01,
+            margin,
+        };
+        assert!(follow_flips(src, &run, &[flip(0.001)])
+            .unwrap_or_else(|e| panic!("{e:#}"))
+            .is_none());
+        let followed = follow_flips(src, &run, &[flip(1.0)])
+            .unwrap_or_else(|e| panic!("{e:#}"))
+            .expect("followed taps");
+        for (a, b) in run.exact_taps.iter().zip(&followed) {
+            assert_eq!(a.name, b.name);
+            let own =
+                a.name == format!("blk.{layer}.ffn_out") || a.name == format!("blk.{layer}.out");
+            let w = a.shape[1];
+            for p in 0..a.shape[0] {
+                let differs = a.data[p * w..(p + 1) * w] != b.data[p * w..(p + 1) * w];
+                assert_eq!(differs, own && p == 3, "{} row {p}", a.name);
+            }
+        }
+    }
+
     #[test]
     fn tokens_gate_counts_differing_sequences() {
         let g = tokens_gate(&[
