@@ -71,10 +71,34 @@ pub enum Fault {
     /// When sampling, the acceptance walk accepts a drafted token of target probability 0 (the
     /// `coin == 0` bug; first seen at the `spec.support` gate and by the exact-law proof).
     AcceptZeroProbability,
+    /// The CPU backend's Q8_0 products read the last 8 of every 32-value block one quantum too
+    /// high, as a kernel whose tail lanes load the wrong bytes would (planted where the backend
+    /// prepares each Q8_0 matrix, `runtime/cpu.rs`; embedding lookups are not products and are
+    /// spared). A weight error of NMSE ~1e-4, under the old full-precision layer-0 bound (3.3e-4)
+    /// and far over the exact-numerics one: first seen at `blk.0.q` of a Q8_0 model.
+    Q8_0BlockTail,
+    /// A batched product of more than 64 tokens whose count is not a multiple of 64 scales the
+    /// rows of its last, partial 64-token tile by 1 + 2⁻⁸, as a panel kernel with a wrong tail
+    /// path would (`CpuBackend::matmul`). A token count that is a multiple of the tile, or of at
+    /// most one tile, hides it; first seen at `blk.0.q` of the chunked case (chunk of 67).
+    PrefillTileTail,
+    /// A decode step (one token, no tree) at a position past 300 attends as if it sat one
+    /// position earlier, so its own newest KV cell is left out (`model/forward.rs`, the step's
+    /// query positions). Invisible to prefills and to short decodes; first seen at `blk.0.attn`
+    /// of the decode case.
+    DecodeLateKvOffByOne,
+    /// The routing weights of each token's first and second expert are swapped before the
+    /// experts' outputs are mixed (`model/forward.rs`, `moe_ffn`); the router logits are right.
+    /// First seen at the first MoE layer's `ffn_out`.
+    MoeWeightsSwapped,
+    /// The MLA variant of [`Fault::TpQkvShardOrder`]: the shard plan gives rank r the
+    /// `attn_q_b` (or MLA `attn_q`) rows of rank r+1 (`tp/plan.rs`; first seen at `blk.0.q` of a
+    /// deepseek2 TP case, gathered from the ranks).
+    TpMlaShardOrder,
 }
 
 impl Fault {
-    pub const ALL: [Fault; 19] = [
+    pub const ALL: [Fault; 24] = [
         Fault::RopePositionOffByOne,
         Fault::SkipResidualAdd,
         Fault::SlidingWindowOffByOne,
@@ -94,6 +118,11 @@ impl Fault {
         Fault::AcceptPastRejection,
         Fault::AcceptByDraftProbability,
         Fault::AcceptZeroProbability,
+        Fault::Q8_0BlockTail,
+        Fault::PrefillTileTail,
+        Fault::DecodeLateKvOffByOne,
+        Fault::MoeWeightsSwapped,
+        Fault::TpMlaShardOrder,
     ];
 
     pub fn name(self) -> &'static str {
@@ -117,6 +146,11 @@ impl Fault {
             Fault::AcceptPastRejection => "accept-past-rejection",
             Fault::AcceptByDraftProbability => "accept-by-draft-probability",
             Fault::AcceptZeroProbability => "accept-zero-probability",
+            Fault::Q8_0BlockTail => "q8_0-block-tail",
+            Fault::PrefillTileTail => "prefill-tile-tail",
+            Fault::DecodeLateKvOffByOne => "decode-late-kv-off-by-one",
+            Fault::MoeWeightsSwapped => "moe-weights-swapped",
+            Fault::TpMlaShardOrder => "tp-mla-shard-order",
         }
     }
 

@@ -205,3 +205,141 @@ fn gemma3_fixture_local_layers_see_only_the_window() {
     // layer 5 (global) at the last position sees it (through its own attention)
     assert_ne!(row(&a, "blk.5.attn", last), row(&b, "blk.5.attn", last));
 }
+
+/// `forward_hidden` emits the same taps as `forward` up to `output_norm` and returns its values;
+/// `logits_of` on any split of those rows gives `forward`'s logits rows (how verify's path cases
+/// get the reference's logits a block at a time). An empty or ragged input is an error.
+#[test]
+fn logits_by_rows_equal_the_whole_forward() {
+    let tokens = vocab::sample_tokens();
+    let n = tokens.len();
+    let (_dir, written) = write_all();
+    for (spec, path) in written {
+        for precision in [Precision::F32, Precision::Exact] {
+            let m = ReferenceModel::load(&path, precision).expect("load");
+            let (logits, taps) = run(&m, &tokens);
+            let mut hidden_taps = Vec::new();
+            let normed = m
+                .forward_hidden(&tokens, &mut |name, _, data| {
+                    hidden_taps.push((name.to_owned(), data.to_vec()))
+                })
+                .unwrap_or_else(|e| panic!("{} forward_hidden: {e}", spec.name));
+            let before_head: Vec<_> = taps.iter().filter(|t| t.name != "logits").collect();
+            assert_eq!(hidden_taps.len(), before_head.len(), "{}", spec.name);
+            for ((name, data), t) in hidden_taps.iter().zip(&before_head) {
+                assert_eq!((name, data), (&t.name, &t.data), "{}", spec.name);
+            }
+            assert_eq!(&normed, &row_block(&taps, "output_norm"), "{}", spec.name);
+            let d = m.n_embd();
+            let v = m.vocab_size();
+            let k = n / 3 + 1;
+            let mut by_rows = m.logits_of(&normed[..k * d]).expect("logits_of");
+            by_rows.extend(m.logits_of(&normed[k * d..]).expect("logits_of"));
+            assert_eq!(by_rows.len(), n * v);
+            // The head's products are per row, but the product library may block a matrix of
+            // k rows differently from one of n: allow f32 summation-order error of the largest
+            // logit (8 ulps of it), far below any difference a wrong row would make.
+            for (i, (a, b)) in by_rows.iter().zip(&logits).enumerate() {
+                let row = &logits[i / v * v..(i / v + 1) * v];
+                let scale = row.iter().fold(0f32, |m, x| m.max(x.abs()));
+                assert!(
+                    (a - b).abs() <= 8.0 * f32::EPSILON * scale,
+                    "{} {precision:?} logit {i}: {a} by rows, {b} whole",
+                    spec.name
+                );
+            }
+            assert!(m.logits_of(&normed[..d + 1]).is_err(), "a ragged row");
+        }
+    }
+}
+
+/// Every value of a tap.
+fn row_block(taps: &[Tap], name: &str) -> Vec<f32> {
+    taps.iter()
+        .find(|t| t.name == name)
+        .map(|t| t.data.clone())
+        .unwrap_or_default()
+}
+
+/// The reference following forced expert choices (verify's route-aware MoE comparison): its own
+/// choice forced changes nothing; another choice for one token changes that token's MoE output
+/// from that layer on and nothing before it; forcing a dense model or a wrong expert count is
+/// an error.
+#[test]
+fn forced_routes_change_only_the_forced_token() {
+    let tokens = vocab::sample_tokens();
+    let (_dir, written) = write_all();
+    let hidden = |m: &ReferenceModel, forced: &reference::ForcedRoutes| {
+        let mut taps = Vec::new();
+        m.forward_hidden_routed(&tokens, forced, &mut |name, shape, data| {
+            taps.push(Tap {
+                name: name.to_owned(),
+                shape: shape.to_vec(),
+                data: data.to_vec(),
+            })
+        })
+        .map(|_| taps)
+    };
+    for (spec, path) in written {
+        let m = ReferenceModel::load(&path, Precision::Exact).expect("load");
+        let plain = hidden(&m, &Default::default()).expect("unforced");
+        let moe_layer = (0..m.n_layers()).find(|&l| m.routing(l).ok().flatten().is_some());
+        let Some(layer) = moe_layer else {
+            let mut forced = reference::ForcedRoutes::new();
+            forced.insert((0, 0), vec![0, 1]);
+            assert!(
+                hidden(&m, &forced).is_err(),
+                "{}: forced a dense model",
+                spec.name
+            );
+            continue;
+        };
+        let routing = m.routing(layer).ok().flatten().expect("routing");
+        let router = row(&plain, &format!("blk.{layer}.router"), 3);
+        let logits: Vec<f64> = router.iter().map(|&x| f64::from(x)).collect();
+        let own = routing.choose(&logits);
+        let mut forced = reference::ForcedRoutes::new();
+        forced.insert((layer, 3), own.clone());
+        let same = hidden(&m, &forced).expect("forced own choice");
+        for (a, b) in plain.iter().zip(&same) {
+            assert_eq!((&a.name, &a.data), (&b.name, &b.data), "{}", spec.name);
+        }
+        // The best expert it did not choose, in place of its last choice.
+        let other = routing
+            .ranking(&logits)
+            .into_iter()
+            .find(|e| !own.contains(e))
+            .expect("an unchosen expert");
+        let mut flipped = own.clone();
+        let last = flipped.len() - 1;
+        flipped[last] = other;
+        forced.insert((layer, 3), flipped);
+        let moved = hidden(&m, &forced).expect("forced another choice");
+        let ffn = format!("blk.{layer}.ffn_out");
+        for (a, b) in plain.iter().zip(&moved) {
+            for p in 0..tokens.len() {
+                let differs = row(&plain, &a.name, p) != row(&moved, &b.name, p);
+                let id = harness_free_layer(&a.name);
+                // Before the forced layer, and rows before the forced token: untouched.
+                if id.is_some_and(|l| l < layer) || p < 3 || a.name == format!("blk.{layer}.router")
+                {
+                    assert!(!differs, "{} {} row {p} changed", spec.name, a.name);
+                }
+                if a.name == ffn {
+                    assert_eq!(differs, p == 3, "{} {ffn} row {p}", spec.name);
+                }
+            }
+        }
+        forced.insert((layer, 3), vec![0]);
+        assert!(
+            hidden(&m, &forced).is_err(),
+            "{}: one expert of two",
+            spec.name
+        );
+    }
+}
+
+/// The layer of a `blk.{i}.…` tap name.
+fn harness_free_layer(name: &str) -> Option<usize> {
+    name.strip_prefix("blk.")?.split('.').next()?.parse().ok()
+}

@@ -66,59 +66,89 @@ pub struct TapMetrics {
 /// The slices must have equal length; extra elements of the longer one are ignored (callers check
 /// shapes first and report a mismatch as a finding).
 pub fn tap_metrics(engine: &[f32], reference: &[f32], width: usize) -> TapMetrics {
-    let len = engine.len().min(reference.len());
-    let (mut err2, mut ref2, mut eng2, mut dot) = (0f64, 0f64, 0f64, 0f64);
-    let mut max_abs: Option<MaxAbsError> = None;
-    let mut nf = NonFinite::default();
-    for (i, (&a, &b)) in engine.iter().zip(reference).enumerate() {
-        nf.engine_nan += a.is_nan() as usize;
-        nf.engine_inf += a.is_infinite() as usize;
-        nf.reference_nan += b.is_nan() as usize;
-        nf.reference_inf += b.is_infinite() as usize;
-        if !a.is_finite() || !b.is_finite() {
-            let same_class = (a.is_nan() && b.is_nan()) || (a.is_infinite() && a == b);
-            if !same_class {
-                nf.mismatches += 1;
-                nf.first_mismatch.get_or_insert(i);
+    let mut acc = MetricsAccumulator::default();
+    acc.push(engine, reference, width);
+    acc.finish()
+}
+
+/// [`tap_metrics`] over a tap that arrives in consecutive chunks of rows (a long sequence
+/// compared a few rows at a time, a decode run one row at a time): the sums behind NMSE and
+/// cosine, the largest error and the non-finite counts, with indices counted from the first
+/// chunk. After any sequence of [`Self::push`], [`Self::finish`] equals `tap_metrics` over the
+/// concatenated rows.
+#[derive(Debug, Clone, Default)]
+pub struct MetricsAccumulator {
+    err2: f64,
+    ref2: f64,
+    eng2: f64,
+    dot: f64,
+    max_abs: Option<MaxAbsError>,
+    nf: NonFinite,
+    len: usize,
+}
+
+impl MetricsAccumulator {
+    /// The next rows of the tap (`width` values each; see [`tap_metrics`] for unequal lengths).
+    pub fn push(&mut self, engine: &[f32], reference: &[f32], width: usize) {
+        let base = self.len;
+        let nf = &mut self.nf;
+        for (j, (&a, &b)) in engine.iter().zip(reference).enumerate() {
+            let i = base + j;
+            nf.engine_nan += a.is_nan() as usize;
+            nf.engine_inf += a.is_infinite() as usize;
+            nf.reference_nan += b.is_nan() as usize;
+            nf.reference_inf += b.is_infinite() as usize;
+            if !a.is_finite() || !b.is_finite() {
+                let same_class = (a.is_nan() && b.is_nan()) || (a.is_infinite() && a == b);
+                if !same_class {
+                    nf.mismatches += 1;
+                    nf.first_mismatch.get_or_insert(i);
+                }
+                continue;
             }
-            continue;
+            let (a64, b64) = (a as f64, b as f64);
+            let d = a64 - b64;
+            self.err2 += d * d;
+            self.ref2 += b64 * b64;
+            self.eng2 += a64 * a64;
+            self.dot += a64 * b64;
+            if self.max_abs.is_none_or(|m| d.abs() > m.abs_error) {
+                let w = width.max(1);
+                self.max_abs = Some(MaxAbsError {
+                    abs_error: d.abs(),
+                    flat_index: i,
+                    token: i / w,
+                    column: i % w,
+                    engine: a,
+                    reference: b,
+                });
+            }
         }
-        let (a64, b64) = (a as f64, b as f64);
-        let d = a64 - b64;
-        err2 += d * d;
-        ref2 += b64 * b64;
-        eng2 += a64 * a64;
-        dot += a64 * b64;
-        if max_abs.is_none_or(|m| d.abs() > m.abs_error) {
-            let w = width.max(1);
-            max_abs = Some(MaxAbsError {
-                abs_error: d.abs(),
-                flat_index: i,
-                token: i / w,
-                column: i % w,
-                engine: a,
-                reference: b,
-            });
-        }
+        self.len += engine.len().min(reference.len());
     }
-    let nmse = if ref2 > 0.0 {
-        err2 / ref2
-    } else if err2 == 0.0 {
-        0.0
-    } else {
-        f64::INFINITY
-    };
-    let cosine = match (eng2 > 0.0, ref2 > 0.0) {
-        (true, true) => (dot / (eng2.sqrt() * ref2.sqrt())).clamp(-1.0, 1.0),
-        (false, false) => 1.0,
-        _ => 0.0,
-    };
-    TapMetrics {
-        nmse,
-        max_abs,
-        cosine,
-        non_finite: nf,
-        len,
+
+    /// The metrics of every row pushed so far.
+    pub fn finish(&self) -> TapMetrics {
+        let (err2, ref2, eng2, dot) = (self.err2, self.ref2, self.eng2, self.dot);
+        let nmse = if ref2 > 0.0 {
+            err2 / ref2
+        } else if err2 == 0.0 {
+            0.0
+        } else {
+            f64::INFINITY
+        };
+        let cosine = match (eng2 > 0.0, ref2 > 0.0) {
+            (true, true) => (dot / (eng2.sqrt() * ref2.sqrt())).clamp(-1.0, 1.0),
+            (false, false) => 1.0,
+            _ => 0.0,
+        };
+        TapMetrics {
+            nmse,
+            max_abs: self.max_abs,
+            cosine,
+            non_finite: self.nf,
+            len: self.len,
+        }
     }
 }
 
@@ -413,22 +443,49 @@ pub fn compare_taps(
     policy: &TolerancePolicy,
     ctx: &CaseContext,
 ) -> Comparison {
+    compare_taps_of(engine, reference, policy, ctx, ModelLayers::of(reference))
+}
+
+/// What the tolerance of a tap depends on besides its own name: the model's depth (the depth of
+/// `output_norm` and `logits`) and its first MoE layer (top-k expert choices start there).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ModelLayers {
+    pub n_layers: usize,
+    pub first_moe_layer: Option<usize>,
+}
+
+impl ModelLayers {
+    /// As read from a forward pass's taps: one more than the largest layer, and the first layer
+    /// with a `router` tap.
+    pub fn of(taps: &[Tap]) -> ModelLayers {
+        let ids = || taps.iter().filter_map(|t| TapId::parse(&t.name));
+        ModelLayers {
+            n_layers: ids().filter_map(|id| id.layer).max().map_or(0, |l| l + 1),
+            first_moe_layer: ids()
+                .filter(|id| id.kind == TapKind::Router)
+                .filter_map(|id| id.layer)
+                .min(),
+        }
+    }
+}
+
+/// [`compare_taps`] for taps that are only part of a forward pass (the logits of a block of
+/// rows, compared apart from the layers): `layers` says what the whole pass has.
+pub fn compare_taps_of(
+    engine: &[Tap],
+    reference: &[Tap],
+    policy: &TolerancePolicy,
+    ctx: &CaseContext,
+    layers: ModelLayers,
+) -> Comparison {
     let mut findings: Vec<(usize, Finding)> = Vec::new();
     let ref_by_name = index(reference, Side::Reference, &mut findings, 0);
     // Engine-side duplicates are ordered with the engine-only block.
     let eng_by_name = index(engine, Side::Engine, &mut findings, reference.len());
-    let n_layers = reference
-        .iter()
-        .filter_map(|t| TapId::parse(&t.name).and_then(|id| id.layer))
-        .max()
-        .map_or(0, |l| l + 1);
-    // The first layer whose reference emitted a router tap: top-k expert choices start there.
-    let first_moe_layer = reference
-        .iter()
-        .filter_map(|t| TapId::parse(&t.name))
-        .filter(|id| id.kind == TapKind::Router)
-        .filter_map(|id| id.layer)
-        .min();
+    let ModelLayers {
+        n_layers,
+        first_moe_layer,
+    } = layers;
 
     let mut taps = Vec::new();
     let mut seen = std::collections::HashSet::new();
@@ -528,6 +585,166 @@ pub fn compare_taps(
         findings: findings.into_iter().map(|(_, f)| f).collect(),
         first_divergence,
         n_layers,
+    }
+}
+
+/// A comparison made a chunk of token rows at a time: a long sequence whose taps (or logits)
+/// are not held whole, a chunked prefill, a decode run one row per step. Each chunk (one forward
+/// call's rows) is checked at once for the structural findings (a missing, extra or misshapen
+/// tap); the tolerances are judged on blocks of consecutive rows that the caller closes
+/// ([`Self::close_block`]), so a defect confined to some positions is judged over its block, not
+/// averaged over the whole text, while each judgement still covers enough rows for the
+/// statistical bounds of the policy (they were derived and measured over 32–64 rows, not one).
+/// The first block with a finding is the finding; the metrics over every row go to the report.
+#[derive(Debug, Default)]
+pub struct ChunkedComparison {
+    /// Per tap (in the order first seen): its identity, tolerance and metrics, over every row
+    /// and over the open block.
+    taps: Vec<Accumulated>,
+    index: HashMap<String, usize>,
+    layers: Option<ModelLayers>,
+    block_rows: Option<std::ops::Range<usize>>,
+    /// The first chunk or block with a finding: its rows and its findings.
+    first: Option<(std::ops::Range<usize>, Vec<Finding>)>,
+}
+
+#[derive(Debug)]
+struct Accumulated {
+    tap: String,
+    kind: TapKind,
+    layer: Option<usize>,
+    width: usize,
+    tolerance: Tolerance,
+    total: MetricsAccumulator,
+    block: MetricsAccumulator,
+}
+
+impl ChunkedComparison {
+    pub fn new() -> ChunkedComparison {
+        ChunkedComparison::default()
+    }
+
+    /// Add the rows `rows` (token positions) of some taps: `engine` and `reference` hold those
+    /// rows of the same taps (every tap of a forward call, or only the logits of a block). The
+    /// model's depth and first MoE layer are read from the first push that has layer taps.
+    pub fn push(
+        &mut self,
+        rows: std::ops::Range<usize>,
+        engine: &[Tap],
+        reference: &[Tap],
+        policy: &TolerancePolicy,
+        ctx: &CaseContext,
+    ) {
+        let layers = match self.layers {
+            Some(l) => l,
+            None => {
+                let l = ModelLayers::of(reference);
+                if l.n_layers > 0 {
+                    self.layers = Some(l);
+                }
+                l
+            }
+        };
+        let c = compare_taps_of(engine, reference, policy, ctx, layers);
+        let structural: Vec<Finding> = c
+            .findings
+            .into_iter()
+            .filter(|f| !matches!(f, Finding::PastTolerance { .. }))
+            .collect();
+        if self.first.is_none() && !structural.is_empty() {
+            self.first = Some((rows.clone(), structural));
+        }
+        let find = |taps: &'_ [Tap], name: &str| taps.iter().position(|t| t.name == name);
+        for t in &c.taps {
+            let (Some(e), Some(r)) = (find(engine, &t.tap), find(reference, &t.tap)) else {
+                continue;
+            };
+            let width = t.shape.last().copied().unwrap_or(1);
+            let i = *self.index.entry(t.tap.clone()).or_insert_with(|| {
+                self.taps.push(Accumulated {
+                    tap: t.tap.clone(),
+                    kind: t.kind,
+                    layer: t.layer,
+                    width,
+                    tolerance: t.tolerance,
+                    total: MetricsAccumulator::default(),
+                    block: MetricsAccumulator::default(),
+                });
+                self.taps.len() - 1
+            });
+            let a = &mut self.taps[i];
+            a.total.push(&engine[e].data, &reference[r].data, width);
+            a.block.push(&engine[e].data, &reference[r].data, width);
+        }
+        self.block_rows = Some(match self.block_rows.take() {
+            Some(b) => b.start.min(rows.start)..b.end.max(rows.end),
+            None => rows,
+        });
+    }
+
+    /// Judge the rows pushed since the last close, tap by tap in forward order; the first block
+    /// with a tap past its tolerance (if no earlier one had a finding) gives the finding.
+    pub fn close_block(&mut self) {
+        let Some(rows) = self.block_rows.take() else {
+            return;
+        };
+        let mut findings = Vec::new();
+        for a in &mut self.taps {
+            let m = std::mem::take(&mut a.block).finish();
+            if m.len == 0 {
+                continue;
+            }
+            let violations = check_tolerance(&m, &a.tolerance);
+            if !violations.is_empty() {
+                findings.push(Finding::PastTolerance {
+                    tap: a.tap.clone(),
+                    violations,
+                });
+            }
+        }
+        if self.first.is_none() && !findings.is_empty() {
+            self.first = Some((rows, findings));
+        }
+    }
+
+    /// The rows of the first chunk or block that had a finding.
+    pub fn divergent_rows(&self) -> Option<std::ops::Range<usize>> {
+        self.first.as_ref().map(|(r, _)| r.clone())
+    }
+
+    /// Every tap's metrics over all the rows pushed (judged against its tolerance for the
+    /// report); the findings and first divergence are those of the first block that had any.
+    /// An open block is closed first.
+    pub fn finish(mut self) -> Comparison {
+        self.close_block();
+        let findings = self.first.map(|(_, f)| f).unwrap_or_default();
+        let first_divergence = findings.first().map(|f| Divergence {
+            position: self.index.get(f.tap()).copied().unwrap_or(0),
+            finding: f.clone(),
+        });
+        let taps = self
+            .taps
+            .into_iter()
+            .map(|a| {
+                let metrics = a.total.finish();
+                let violations = check_tolerance(&metrics, &a.tolerance);
+                TapComparison {
+                    shape: vec![metrics.len / a.width.max(1), a.width],
+                    tap: a.tap,
+                    kind: a.kind,
+                    layer: a.layer,
+                    metrics,
+                    tolerance: a.tolerance,
+                    violations,
+                }
+            })
+            .collect();
+        Comparison {
+            taps,
+            findings,
+            first_divergence,
+            n_layers: self.layers.map_or(0, |l| l.n_layers),
+        }
     }
 }
 
@@ -769,6 +986,109 @@ mod tests {
         assert_eq!(out[0], (0, 0.0));
         assert!((out[1].1 - 1.0 / 204.0).abs() < 1e-12);
         assert!(s[1].points[0].nmse_max < s[1].points[1].nmse_max);
+    }
+
+    #[test]
+    fn accumulated_chunks_equal_the_whole_tap() {
+        let e: Vec<f32> = vec![1.0, 2.5, f32::NAN, 4.0, 5.0, -6.0, 7.0, 8.5, 0.0];
+        let r: Vec<f32> = vec![1.0, 2.0, 3.0, 4.0, 5.5, -6.0, 7.0, 8.0, f32::INFINITY];
+        let whole = tap_metrics(&e, &r, 3);
+        for cuts in [vec![3], vec![3, 6], vec![6], vec![0, 9]] {
+            let mut acc = MetricsAccumulator::default();
+            let mut at = 0;
+            for &c in cuts.iter().chain(std::iter::once(&9)) {
+                acc.push(&e[at..c], &r[at..c], 3);
+                at = c;
+            }
+            let m = acc.finish();
+            // The same sums in the same order: equal, not merely close.
+            assert_eq!(m, whole, "cuts {cuts:?}");
+        }
+        let Some(mx) = whole.max_abs else {
+            panic!("no max abs")
+        };
+        // Row 2 of width 3: the index counts from the first chunk.
+        assert_eq!((mx.flat_index, mx.token, mx.column), (1, 0, 1));
+        assert_eq!(whole.non_finite.first_mismatch, Some(2));
+    }
+
+    // Rows `rows` of a tap over 4 positions, width 2: value 1 + position + column, plus `bad`
+    // at the positions it names.
+    fn rows_of(name: &str, rows: std::ops::Range<usize>, bad: &dyn Fn(usize) -> f32) -> Tap {
+        let data = rows
+            .clone()
+            .flat_map(|p| (0..2).map(move |c| (p, c)))
+            .map(|(p, c)| 1.0 + p as f32 + c as f32 + bad(p))
+            .collect();
+        Tap::new(name, vec![rows.len(), 2], data)
+    }
+
+    fn chunked(bad: &dyn Fn(usize) -> f32, missing_at: Option<usize>) -> ChunkedComparison {
+        let policy = TolerancePolicy::default();
+        let mut c = ChunkedComparison::new();
+        let names = ["embed", "blk.0.q", "blk.0.out", "blk.1.q", "blk.1.out"];
+        // Two blocks of two single-row calls each (a decode run), then the logits per block.
+        for block in [0..2, 2..4] {
+            for p in block.clone() {
+                let r: Vec<Tap> = names
+                    .iter()
+                    .map(|n| rows_of(n, p..p + 1, &|_| 0.0))
+                    .collect();
+                let mut e: Vec<Tap> = names
+                    .iter()
+                    .map(|n| match *n {
+                        "blk.1.q" => rows_of(n, p..p + 1, bad),
+                        _ => rows_of(n, p..p + 1, &|_| 0.0),
+                    })
+                    .collect();
+                if missing_at == Some(p) {
+                    e.retain(|t| t.name != "blk.0.out");
+                }
+                c.push(p..p + 1, &e, &r, &policy, &ctx());
+            }
+            let logits = |bad: &dyn Fn(usize) -> f32| rows_of("logits", block.clone(), bad);
+            c.push(
+                block.clone(),
+                &[logits(&|_| 0.0)],
+                &[logits(&|_| 0.0)],
+                &policy,
+                &ctx(),
+            );
+            c.close_block();
+        }
+        c
+    }
+
+    #[test]
+    fn chunked_comparison_names_the_first_bad_block() {
+        let clean = chunked(&|_| 0.0, None);
+        assert_eq!(clean.divergent_rows(), None);
+        let clean = clean.finish();
+        assert!(clean.passed());
+        assert_eq!((clean.taps.len(), clean.n_layers), (6, 2));
+        // Totals cover all four rows; the logits, pushed apart, got the bound of depth 2.
+        let logits = clean.tap("logits").map(|t| (t.shape.clone(), t.tolerance));
+        let policy = TolerancePolicy::default();
+        let want = policy.tolerance(TapKind::Logits, None, 2, &ctx());
+        assert_eq!(logits, Some((vec![4, 2], want)));
+
+        // Only position 3 is wrong: the second block is the finding, at blk.1.q.
+        let late = chunked(&|p| if p == 3 { 0.5 } else { 0.0 }, None);
+        assert_eq!(late.divergent_rows(), Some(2..4));
+        let late = late.finish();
+        assert_eq!(
+            late.first_divergence.map(|d| d.finding.tap().to_owned()),
+            Some("blk.1.q".to_owned())
+        );
+
+        // A tap missing from one call is a finding of that call, before any tolerance.
+        let missing = chunked(&|p| if p == 3 { 0.5 } else { 0.0 }, Some(1));
+        assert_eq!(missing.divergent_rows(), Some(1..2));
+        let f = missing.finish().first_divergence.map(|d| d.finding);
+        assert!(
+            matches!(&f, Some(Finding::MissingTap { tap }) if tap == "blk.0.out"),
+            "{f:?}"
+        );
     }
 }
 

@@ -66,6 +66,81 @@ impl Precision {
     }
 }
 
+/// How a mixture-of-experts layer turns router logits into probabilities.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Gating {
+    Softmax,
+    Sigmoid,
+}
+
+/// How one MoE layer chooses its experts from a token's router logits (DeepSeek V3 style):
+/// probabilities by [`Gating`], then the top `n_expert_used` of `probability + bias` (the bias
+/// steers the choice only), ties to the lower expert index.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Routing {
+    pub gating: Gating,
+    /// `exp_probs_b` (zeros when the layer has none).
+    pub bias: Vec<f64>,
+    pub n_expert_used: usize,
+}
+
+impl Routing {
+    /// The gate probabilities of one token's router logits.
+    pub fn probs(&self, logits: &[f64]) -> Vec<f64> {
+        match self.gating {
+            Gating::Softmax => {
+                let max = logits.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let e: Vec<f64> = logits.iter().map(|&z| (z - max).exp()).collect();
+                let s: f64 = e.iter().sum();
+                e.iter().map(|&v| v / s).collect()
+            }
+            Gating::Sigmoid => logits.iter().map(|&z| 1.0 / (1.0 + (-z).exp())).collect(),
+        }
+    }
+
+    /// The selection score of every expert: probability plus bias.
+    pub fn scores(&self, logits: &[f64]) -> Vec<f64> {
+        let probs = self.probs(logits);
+        probs
+            .iter()
+            .enumerate()
+            .map(|(e, p)| p + self.bias.get(e).copied().unwrap_or(0.0))
+            .collect()
+    }
+
+    /// Every expert, highest selection score first (ties: lower index first).
+    pub fn ranking(&self, logits: &[f64]) -> Vec<usize> {
+        self.rank_scores(&self.scores(logits))
+    }
+
+    /// The chosen experts of one token, in rank order.
+    pub fn choose(&self, logits: &[f64]) -> Vec<usize> {
+        self.choose_from_probs(&self.probs(logits))
+    }
+
+    pub(crate) fn choose_from_probs(&self, probs: &[f64]) -> Vec<usize> {
+        let scores: Vec<f64> = probs
+            .iter()
+            .enumerate()
+            .map(|(e, p)| p + self.bias.get(e).copied().unwrap_or(0.0))
+            .collect();
+        let mut order = self.rank_scores(&scores);
+        order.truncate(self.n_expert_used);
+        order
+    }
+
+    fn rank_scores(&self, scores: &[f64]) -> Vec<usize> {
+        let mut order: Vec<usize> = (0..scores.len()).collect();
+        // highest biased score first; a stable sort keeps the lower expert index first on ties
+        order.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]));
+        order
+    }
+}
+
+/// Forced expert choices for [`ReferenceModel::forward_hidden_routed`]: `(layer, token)` → the
+/// experts to use, in rank order.
+pub type ForcedRoutes = std::collections::BTreeMap<(usize, usize), Vec<usize>>;
+
 /// When the weights are read and dequantized.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Residency {
@@ -352,6 +427,103 @@ impl ReferenceModel {
         tokens: &[u32],
         taps: &mut TapObserver<'_>,
     ) -> Result<Vec<f32>, ReferenceError> {
+        let x = self.hidden(tokens, taps)?;
+        let logits = self.head(&x)?;
+        ops::tap(taps, "logits", &logits)?;
+        to_host(&logits)
+    }
+
+    /// [`Self::forward`] without the output head: every tap up to `output_norm`, and the
+    /// `output_norm` values `[n_tokens × n_embd]` returned, for [`Self::logits_of`] to turn into
+    /// logits a few rows at a time (a long sequence's logits need not be held all at once:
+    /// 640 tokens of a 262144-word vocabulary are 671 MB of f32).
+    pub fn forward_hidden(
+        &self,
+        tokens: &[u32],
+        taps: &mut TapObserver<'_>,
+    ) -> Result<Vec<f32>, ReferenceError> {
+        to_host(&self.hidden(tokens, taps)?)
+    }
+
+    /// [`Self::forward_hidden`] with the experts of some `(layer, token)`s chosen by `forced`
+    /// instead of by the router: the reference following another implementation's choice where
+    /// the two picked different experts on a near-tie (their weights stay the router's
+    /// probabilities of those experts). An error for a model without MoE layers, unless
+    /// `forced` is empty.
+    pub fn forward_hidden_routed(
+        &self,
+        tokens: &[u32],
+        forced: &ForcedRoutes,
+        taps: &mut TapObserver<'_>,
+    ) -> Result<Vec<f32>, ReferenceError> {
+        match &self.arch {
+            Arch::Deepseek2(m) => {
+                self.check_tokens(tokens)?;
+                to_host(&m.hidden_routed(tokens, taps, forced)?)
+            }
+            _ if forced.is_empty() => self.forward_hidden(tokens, taps),
+            _ => Err(ReferenceError::Unsupported(format!(
+                "forced expert routes for {}, which has no MoE layers",
+                self.architecture
+            ))),
+        }
+    }
+
+    /// How MoE layer `layer` chooses its experts; `None` for a dense layer (and for every layer
+    /// of a dense architecture).
+    pub fn routing(&self, layer: usize) -> Result<Option<Routing>, ReferenceError> {
+        match &self.arch {
+            Arch::Deepseek2(m) => m.routing(layer),
+            _ => Ok(None),
+        }
+    }
+
+    /// The logits of rows of `output_norm` values (`[rows × n_embd]`, as [`Self::forward_hidden`]
+    /// returns them): `[rows × vocab]`. The head's products are per row, so these are the rows
+    /// [`Self::forward`] computes for the same tokens (in [`Precision::F64`], up to the rounding
+    /// of the hidden states to f32).
+    pub fn logits_of(&self, normed: &[f32]) -> Result<Vec<f32>, ReferenceError> {
+        let n_embd = self.n_embd();
+        if n_embd == 0 || !normed.len().is_multiple_of(n_embd) {
+            return Err(ReferenceError::Unsupported(format!(
+                "logits_of: expected whole rows of {n_embd} values, found {}",
+                normed.len()
+            )));
+        }
+        let x = candle_core::Tensor::from_slice(
+            normed,
+            (normed.len() / n_embd, n_embd),
+            &candle_core::Device::Cpu,
+        )?
+        .to_dtype(self.precision.dtype())?;
+        to_host(&self.head(&x)?)
+    }
+
+    /// Width of the residual stream (`output_norm`'s width).
+    pub fn n_embd(&self) -> usize {
+        match &self.arch {
+            Arch::Llama(m) => m.vocab().n_embd(),
+            Arch::Gemma3(m) => m.vocab().n_embd(),
+            Arch::Deepseek2(m) => m.vocab().n_embd(),
+        }
+    }
+
+    /// The layers and output norm (every tap up to `output_norm`), after checking the tokens.
+    fn hidden(
+        &self,
+        tokens: &[u32],
+        taps: &mut TapObserver<'_>,
+    ) -> Result<candle_core::Tensor, ReferenceError> {
+        self.check_tokens(tokens)?;
+        Ok(match &self.arch {
+            Arch::Llama(m) => m.hidden(tokens, taps)?,
+            Arch::Gemma3(m) => m.hidden(tokens, taps)?,
+            Arch::Deepseek2(m) => m.hidden(tokens, taps)?,
+        })
+    }
+
+    /// A non-empty sequence of ids inside the vocabulary.
+    fn check_tokens(&self, tokens: &[u32]) -> Result<(), ReferenceError> {
         if tokens.is_empty() {
             return Err(ReferenceError::EmptyInput);
         }
@@ -367,14 +539,19 @@ impl ReferenceModel {
                 vocab_size,
             });
         }
-        let logits = match &self.arch {
-            Arch::Llama(m) => m.forward(tokens, taps)?,
-            Arch::Gemma3(m) => m.forward(tokens, taps)?,
-            Arch::Deepseek2(m) => m.forward(tokens, taps)?,
-        };
-        Ok(logits
-            .to_dtype(DType::F32)?
-            .flatten_all()?
-            .to_vec1::<f32>()?)
+        Ok(())
     }
+
+    fn head(&self, x: &candle_core::Tensor) -> Result<candle_core::Tensor, ReferenceError> {
+        Ok(match &self.arch {
+            Arch::Llama(m) => m.head(x)?,
+            Arch::Gemma3(m) => m.head(x)?,
+            Arch::Deepseek2(m) => m.head(x)?,
+        })
+    }
+}
+
+/// A tensor's values as f32, row-major.
+fn to_host(t: &candle_core::Tensor) -> Result<Vec<f32>, ReferenceError> {
+    Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
 }

@@ -332,7 +332,14 @@ fn forward_hidden_on<B: Backend>(
             .positions()
             .iter()
             .zip(batch.seqs())
-            .map(|(&pos, &seq)| QueryMeta { pos, seq })
+            .map(|(&pos, &seq)| {
+                let late_decode = n == 1 && !batch.is_tree() && pos > 300;
+                if late_decode && faults::is_active(Fault::DecodeLateKvOffByOne) {
+                    // Attends as one position earlier: its own newest cell is masked out.
+                    return QueryMeta { pos: pos - 1, seq };
+                }
+                QueryMeta { pos, seq }
+            })
             .collect(),
         slots: &slots,
         ancestors,
@@ -826,6 +833,17 @@ fn moe_ffn<B: Backend>(
     be.route(&router, exp_probs_b.as_ref(), &moe, n, &mut ids, &mut wts)?;
     if let Some(r) = rank {
         r.route_local(be, &mut ids, &mut wts, n, k)?;
+    }
+    if faults::is_active(Fault::MoeWeightsSwapped) && k >= 2 {
+        // Each token's first two routing weights trade places.
+        let mut first = be.alloc(n)?;
+        let col = |c: usize| Strided::new(k, 0, c);
+        let one = Strided::new(1, 0, 0);
+        be.copy_strided(&wts, col(0), &mut first, one, n, 1, 1)?;
+        let mut second = be.alloc(n)?;
+        be.copy_strided(&wts, col(1), &mut second, one, n, 1, 1)?;
+        be.copy_strided(&second, one, &mut wts, col(0), n, 1, 1)?;
+        be.copy_strided(&first, one, &mut wts, col(1), n, 1, 1)?;
     }
     let mut g = be.alloc(n * k * nff)?;
     be.matmul_experts(gate_exps, h, false, &ids, n, k, &mut g)?;

@@ -510,13 +510,25 @@ impl Backend for CpuBackend {
             w.n_mats * w.n_rows * row_bytes,
             w.data.len(),
         )?;
+        let mut data = w.data;
+        if w.ty == GgmlType::Q8_0
+            && w.name != "token_embd.weight"
+            && faults::is_active(Fault::Q8_0BlockTail)
+        {
+            // Values 24..32 of every block (f16 scale, then 32 i8) one quantum too high.
+            for block in data.to_mut().chunks_exact_mut(GgmlType::Q8_0.type_size()) {
+                for q in &mut block[2 + 24..] {
+                    *q = (*q as i8).saturating_add(1) as u8;
+                }
+            }
+        }
         Ok(CpuMat {
             name: w.name.to_owned(),
             ty: w.ty,
             k_dim: w.k_dim,
             n_rows: w.n_rows,
             n_mats: w.n_mats,
-            data: w.data,
+            data,
         })
     }
 
@@ -533,7 +545,19 @@ impl Backend for CpuBackend {
                 self.kernels
                     .matmul(w.ty, data, w.n_rows, w.k_dim, x, n_tokens, out)
             })
-            .map_err(|e| w.kernel_err(e))
+            .map_err(|e| w.kernel_err(e))?;
+        const TILE: usize = 64;
+        if n_tokens > TILE
+            && !n_tokens.is_multiple_of(TILE)
+            && faults::is_active(Fault::PrefillTileTail)
+        {
+            // The rows of the last, partial tile scaled by 1 + 2⁻⁸.
+            let tail = n_tokens / TILE * TILE * w.n_rows;
+            for v in out.iter_mut().skip(tail) {
+                *v *= 1.0 + 1.0 / 256.0;
+            }
+        }
+        Ok(())
     }
 
     fn matmul_experts(

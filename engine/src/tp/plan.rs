@@ -571,7 +571,12 @@ pub fn plan_tensor(c: &ModelConfig, d: &Decisions, t: &TensorDesc) -> TensorPlan
             }
         }
         (Some(m), "attn_q_b" | "attn_q") if d.attn.is_split() => {
-            by_rows(times(&d.q_heads, m.qk_nope + m.qk_rope), None)
+            let mut rows = times(&d.q_heads, m.qk_nope + m.qk_rope);
+            if n > 1 && faults::is_active(Fault::TpMlaShardOrder) {
+                // The loader's MLA query shards in the wrong rank order.
+                rows.rotate_left(1);
+            }
+            by_rows(rows, None)
         }
         (Some(m), "attn_kv_b") if d.attn.is_split() => {
             by_rows(times(&d.q_heads, m.qk_nope + m.v_head_dim), None)

@@ -95,7 +95,7 @@ impl FromStr for Topology {
     }
 }
 
-/// Speculative decoding mode.
+/// Speculative decoding mode, or another path the tokens take through the engine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Spec {
     Off,
@@ -106,6 +106,13 @@ pub enum Spec {
     },
     /// No speculation; served by `plumbline serve` and judged through its HTTP API.
     Serve,
+    /// No speculation; the text prefilled in chunks of odd sizes (none a multiple of a tile),
+    /// each chunk compared tap by tap with the reference's rows for its positions. On the real
+    /// model the whole text (past the sliding window) a few rows at a time.
+    Chunked,
+    /// No speculation; part of the text prefilled, then one decode step per token to the end,
+    /// each step compared tap by tap with the reference's row for its position.
+    Decode,
 }
 
 impl Spec {
@@ -127,6 +134,8 @@ impl fmt::Display for Spec {
             Spec::Off => f.write_str("off"),
             Spec::Tree { budget, top_k } => write!(f, "tree-b{budget}k{top_k}"),
             Spec::Serve => f.write_str("serve"),
+            Spec::Chunked => f.write_str("chunked"),
+            Spec::Decode => f.write_str("decode"),
         }
     }
 }
@@ -137,8 +146,11 @@ impl FromStr for Spec {
         if s == "off" {
             return Ok(Spec::Off);
         }
-        if s == "serve" {
-            return Ok(Spec::Serve);
+        match s {
+            "serve" => return Ok(Spec::Serve),
+            "chunked" => return Ok(Spec::Chunked),
+            "decode" => return Ok(Spec::Decode),
+            _ => {}
         }
         let bad = || HarnessError::UnknownSpec(s.to_owned());
         let rest = s.strip_prefix("tree-b").ok_or_else(bad)?;
@@ -213,7 +225,14 @@ mod tests {
             assert_eq!(round_trip::<Topology>(s).as_deref(), Some(s));
         }
         assert!("nvl".parse::<Topology>().is_err());
-        for s in ["off", "tree-b8k4", "tree-b16k2"] {
+        for s in [
+            "off",
+            "tree-b8k4",
+            "tree-b16k2",
+            "serve",
+            "chunked",
+            "decode",
+        ] {
             assert_eq!(round_trip::<Spec>(s).as_deref(), Some(s));
         }
         for s in [
@@ -224,6 +243,8 @@ mod tests {
             "tree-b0k4",
             "tree-b8k",
             "tree-b8k4x",
+            "chunk",
+            "Decode",
         ] {
             assert!(s.parse::<Spec>().is_err(), "{s}");
         }

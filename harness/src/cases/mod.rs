@@ -390,6 +390,16 @@ impl Matrix {
             // Serving: the greedy gate through `plumbline serve` (xtask verify/serve_case.rs).
             cases.push(Case::new(&m.name, w0, cpu, 1, Topology::Shm, Spec::Serve));
         }
+        // The other paths through the engine (xtask verify/path_case.rs): chunked prefill with
+        // odd chunk sizes, and decode step by step, for every model on its first weight type.
+        let cpu = machine.best_cpu_backend();
+        for m in models {
+            if let Some(w0) = m.weights.first() {
+                for spec in [Spec::Chunked, Spec::Decode] {
+                    cases.push(Case::new(&m.name, w0, cpu, 1, Topology::Shm, spec));
+                }
+            }
+        }
         cases
     }
 }
@@ -570,8 +580,9 @@ mod tests {
         let cases = Matrix::enumerate(&models(), &m);
         // Base: (1 + 3 + 2) weight types × 3 CPU backends = 18. Extended (gemma3-270m, llama):
         // 6 CUDA + 3 CPU TP + 6 CUDA TP (sm90 stand-in) + 4 spec (CPU b8k4 and b16k4, TP2,
-        // CUDA) + 1 serve = 20 each.
-        assert_eq!(cases.len(), 18 + 2 * 20);
+        // CUDA) + 1 serve = 20 each. Paths: chunked and decode of every model's first weight
+        // type on the best CPU backend, 2 × 3.
+        assert_eq!(cases.len(), 18 + 2 * 20 + 2 * 3);
         let names: std::collections::BTreeSet<String> = cases.iter().map(Case::name).collect();
         assert_eq!(names.len(), cases.len());
         for n in [
@@ -581,15 +592,24 @@ mod tests {
             "gemma3-270m/q4_k_m/cpu-avx2/tp2-shm/tree-b8k4",
             "gemma3-270m/q4_k_m/cpu-avx2/tp1-shm/tree-b16k4",
             "gemma3-270m/q4_k_m/cpu-avx2/tp1-shm/serve",
+            "gemma3-270m/q4_k_m/cpu-avx2/tp1-shm/chunked",
+            "gemma3/q4_k/cpu-avx2/tp1-shm/decode",
             "llama/q4_0/cpu-avx2/tp4-shm/off",
         ] {
             assert!(names.contains(n), "{n}");
         }
-        // The non-extended fixture and the non-primary weights get CPU TP 1 only.
+        // The non-extended fixture and the non-primary weights get CPU TP 1 only, without
+        // speculation or serving; the paths only on the first weight type.
         assert!(cases
             .iter()
             .filter(|c| c.model == "gemma3" || c.weights == "f16")
-            .all(|c| !c.backend.is_cuda() && c.tp == 1 && c.spec == Spec::Off));
+            .all(|c| !c.backend.is_cuda()
+                && c.tp == 1
+                && match c.spec {
+                    Spec::Off => true,
+                    Spec::Chunked | Spec::Decode => c.weights != "f16",
+                    _ => false,
+                }));
         // Every case can be named and parsed back.
         assert!(cases.iter().all(|c| case(&c.name()) == *c));
     }
@@ -602,10 +622,14 @@ mod tests {
             .filter(|c| c.skip_reason(&m).is_none())
             .map(|c| c.name())
             .collect();
-        // llama 3 weights + gemma3 2 weights, on scalar and avx2, and llama's serve case.
-        assert_eq!(runnable.len(), 11);
+        // llama 3 weights + gemma3 2 weights, on scalar and avx2, llama's serve case, and the
+        // chunked and decode cases of both fixtures (the real model is not fetched).
+        assert_eq!(runnable.len(), 15);
         assert!(runnable.iter().all(|n| (n.contains("/tp1-shm/off")
-            || n == "llama/q4_0/cpu-avx2/tp1-shm/serve")
-            && !n.contains("avx512")));
+            || n == "llama/q4_0/cpu-avx2/tp1-shm/serve"
+            || n.ends_with("/cpu-avx2/tp1-shm/chunked")
+            || n.ends_with("/cpu-avx2/tp1-shm/decode"))
+            && !n.contains("avx512")
+            && !n.starts_with("gemma3-270m")));
     }
 }

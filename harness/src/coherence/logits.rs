@@ -113,80 +113,121 @@ pub fn logit_agreement(
     n_vocab: usize,
     targets: &[u32],
 ) -> Result<LogitStats> {
-    if n_vocab == 0 {
-        return Err(HarnessError::Parameter {
-            name: "n_vocab",
-            why: "expected at least 1, found 0".into(),
-        });
+    let mut acc = LogitAccumulator::new(n_vocab)?;
+    if targets.is_empty() {
+        return acc.finish();
     }
-    let positions = targets.len();
-    if positions == 0 {
-        return Err(HarnessError::TooFew {
-            what: "teacher-forced positions".into(),
-            expected: 1,
-            found: 0,
-        });
-    }
-    for (what, logits) in [("reference logits", reference), ("engine logits", engine)] {
-        if logits.len() != positions * n_vocab {
-            return Err(HarnessError::Length {
-                what: format!("{what} for {positions} positions × {n_vocab} vocab"),
-                expected: positions * n_vocab,
-                found: logits.len(),
+    acc.push(reference, engine, targets)?;
+    acc.finish()
+}
+
+/// [`logit_agreement`] over positions that arrive a few rows at a time, so that a long text's
+/// logits (640 positions of a 262144-word vocabulary: 671 MB a side) are never held whole. Keeps
+/// two numbers per position; [`Self::finish`] equals `logit_agreement` over all rows pushed.
+#[derive(Debug, Clone)]
+pub struct LogitAccumulator {
+    n_vocab: usize,
+    klds: Vec<f64>,
+    nll_diffs: Vec<f64>,
+    nll_ref: f64,
+    nll_eng: f64,
+    same: usize,
+    first_top1_mismatch: Option<usize>,
+}
+
+impl LogitAccumulator {
+    pub fn new(n_vocab: usize) -> Result<LogitAccumulator> {
+        if n_vocab == 0 {
+            return Err(HarnessError::Parameter {
+                name: "n_vocab",
+                why: "expected at least 1, found 0".into(),
             });
         }
+        Ok(LogitAccumulator {
+            n_vocab,
+            klds: Vec::new(),
+            nll_diffs: Vec::new(),
+            nll_ref: 0.0,
+            nll_eng: 0.0,
+            same: 0,
+            first_top1_mismatch: None,
+        })
     }
-    if let Some(&bad) = targets.iter().find(|&&t| t as usize >= n_vocab) {
-        return Err(HarnessError::Parameter {
-            name: "targets",
-            why: format!("expected token ids below n_vocab {n_vocab}, found {bad}"),
-        });
-    }
-    let mut klds = Vec::with_capacity(positions);
-    let mut nll_diffs = Vec::with_capacity(positions);
-    let (mut nll_ref, mut nll_eng) = (0f64, 0f64);
-    let mut same = 0usize;
-    let mut first_top1_mismatch = None;
-    for (t, (r, e)) in reference
-        .chunks_exact(n_vocab)
-        .zip(engine.chunks_exact(n_vocab))
-        .enumerate()
-    {
-        let (lr, le) = (log_softmax(r), log_softmax(e));
-        klds.push(kl_divergence(&lr, &le));
-        let target = targets[t] as usize;
-        nll_ref -= lr[target];
-        nll_eng -= le[target];
-        nll_diffs.push(lr[target] - le[target]);
-        if argmax(r) == argmax(e) {
-            same += 1;
-        } else {
-            first_top1_mismatch.get_or_insert(t);
+
+    /// The next positions: `reference` and `engine` rows `[targets.len(), n_vocab]`.
+    pub fn push(&mut self, reference: &[f32], engine: &[f32], targets: &[u32]) -> Result<()> {
+        let (positions, n_vocab) = (targets.len(), self.n_vocab);
+        for (what, logits) in [("reference logits", reference), ("engine logits", engine)] {
+            if logits.len() != positions * n_vocab {
+                return Err(HarnessError::Length {
+                    what: format!("{what} for {positions} positions × {n_vocab} vocab"),
+                    expected: positions * n_vocab,
+                    found: logits.len(),
+                });
+            }
         }
+        if let Some(&bad) = targets.iter().find(|&&t| t as usize >= n_vocab) {
+            return Err(HarnessError::Parameter {
+                name: "targets",
+                why: format!("expected token ids below n_vocab {n_vocab}, found {bad}"),
+            });
+        }
+        for (&target, (r, e)) in targets.iter().zip(
+            reference
+                .chunks_exact(n_vocab)
+                .zip(engine.chunks_exact(n_vocab)),
+        ) {
+            let t = self.klds.len();
+            let (lr, le) = (log_softmax(r), log_softmax(e));
+            self.klds.push(kl_divergence(&lr, &le));
+            let target = target as usize;
+            self.nll_ref -= lr[target];
+            self.nll_eng -= le[target];
+            self.nll_diffs.push(lr[target] - le[target]);
+            if argmax(r) == argmax(e) {
+                self.same += 1;
+            } else {
+                self.first_top1_mismatch.get_or_insert(t);
+            }
+        }
+        Ok(())
     }
-    let n = positions as f64;
-    let kld_mean = klds.iter().sum::<f64>() / n;
-    let (kld_max_position, kld_max) = klds
-        .iter()
-        .copied()
-        .enumerate()
-        .max_by(|a, b| a.1.total_cmp(&b.1))
-        .unwrap_or((0, f64::NAN));
-    let ppl_engine = (nll_eng / n).exp();
-    let ppl_reference = (nll_ref / n).exp();
-    Ok(LogitStats {
-        positions,
-        kld_mean,
-        kld_p99: quantile(&klds, 0.99).unwrap_or(f64::NAN),
-        kld_max,
-        kld_max_position,
-        same_top1_rate: same as f64 / n,
-        first_top1_mismatch,
-        ppl_engine,
-        ppl_reference,
-        ppl_ratio: ppl_engine / ppl_reference,
-        ln_ppl_ratio_se: standard_error(&nll_diffs),
-    })
+
+    /// The statistics over every position pushed (an error if none was).
+    pub fn finish(&self) -> Result<LogitStats> {
+        let positions = self.klds.len();
+        if positions == 0 {
+            return Err(HarnessError::TooFew {
+                what: "teacher-forced positions".into(),
+                expected: 1,
+                found: 0,
+            });
+        }
+        let klds = &self.klds;
+        let n = positions as f64;
+        let kld_mean = klds.iter().sum::<f64>() / n;
+        let (kld_max_position, kld_max) = klds
+            .iter()
+            .copied()
+            .enumerate()
+            .max_by(|a, b| a.1.total_cmp(&b.1))
+            .unwrap_or((0, f64::NAN));
+        let ppl_engine = (self.nll_eng / n).exp();
+        let ppl_reference = (self.nll_ref / n).exp();
+        Ok(LogitStats {
+            positions,
+            kld_mean,
+            kld_p99: quantile(klds, 0.99).unwrap_or(f64::NAN),
+            kld_max,
+            kld_max_position,
+            same_top1_rate: self.same as f64 / n,
+            first_top1_mismatch: self.first_top1_mismatch,
+            ppl_engine,
+            ppl_reference,
+            ppl_ratio: ppl_engine / ppl_reference,
+            ln_ppl_ratio_se: standard_error(&self.nll_diffs),
+        })
+    }
 }
 
 /// Bounds for [`LogitStats::gates`].
@@ -327,6 +368,35 @@ impl LogitStats {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn accumulated_rows_equal_the_whole_text() {
+        let n_vocab = 3;
+        let r = [
+            0.1f32, 2.0, -1.0, 1.0, 0.0, 0.5, 3.0, 1.0, 2.9, -2.0, 0.0, 1.0,
+        ];
+        let e = [
+            0.0f32, 2.1, -1.0, 1.0, 0.2, 0.5, 2.9, 1.0, 3.0, -2.0, 0.1, 1.0,
+        ];
+        let targets = [1u32, 0, 2, 2];
+        let whole = logit_agreement(&r, &e, n_vocab, &targets).ok();
+        let mut acc = LogitAccumulator::new(n_vocab).ok();
+        for (rows, (ra, ea)) in [(0..1, (0..3, 0..3)), (1..4, (3..12, 3..12))] {
+            if let Some(a) = acc.as_mut() {
+                assert!(a.push(&r[ra], &e[ea], &targets[rows]).is_ok());
+            }
+        }
+        let pieces = acc.and_then(|a| a.finish().ok());
+        assert!(whole.is_some());
+        assert_eq!(pieces, whole);
+        // Rows of the wrong length, and nothing pushed at all, are errors.
+        let mut a = LogitAccumulator::new(n_vocab).ok();
+        assert!(a
+            .as_mut()
+            .is_some_and(|a| a.push(&r[..2], &e[..3], &targets[..1]).is_err()));
+        assert!(a.is_some_and(|a| a.finish().is_err()));
+        assert!(LogitAccumulator::new(0).is_err());
+    }
 
     fn stats(reference: &[f32], engine: &[f32], n_vocab: usize, targets: &[u32]) -> LogitStats {
         match logit_agreement(reference, engine, n_vocab, targets) {

@@ -13,4 +13,4 @@ pub mod logits;
 
 pub use degeneracy::{detect_degeneracy, DegeneracyParams};
 pub use greedy::{greedy_prefix, greedy_prefix_or_tie, GreedyRows};
-pub use logits::{logit_agreement, LogitStats, LogitThresholds};
+pub use logits::{logit_agreement, LogitAccumulator, LogitStats, LogitThresholds};

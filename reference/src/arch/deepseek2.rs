@@ -74,11 +74,7 @@ struct Layer {
     ffn: Ffn,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Gating {
-    Softmax,
-    Sigmoid,
-}
+use crate::{ForcedRoutes as Forced, Gating, Routing};
 
 pub(crate) struct Deepseek2 {
     /// The streaming model's file (routed experts are read one by one from it).
@@ -270,6 +266,10 @@ impl Deepseek2 {
         &mut self.vocab
     }
 
+    pub fn vocab(&self) -> &Vocab {
+        &self.vocab
+    }
+
     pub fn vocab_size(&self) -> usize {
         self.vocab.n_vocab()
     }
@@ -278,7 +278,41 @@ impl Deepseek2 {
         self.layers.len()
     }
 
-    pub fn forward(&self, tokens: &[u32], taps: Taps<'_>) -> Result<Tensor> {
+    /// Every tap up to `output_norm`; returns the normed final hidden states `[n, n_embd]`.
+    pub fn hidden(&self, tokens: &[u32], taps: Taps<'_>) -> Result<Tensor> {
+        self.hidden_routed(tokens, taps, &Forced::new())
+    }
+
+    /// The routing of layer `i`: `None` for a dense layer.
+    pub fn routing(&self, i: usize) -> Result<Option<Routing>> {
+        if i >= self.layers.len() {
+            return Err(ReferenceError::Unsupported(format!(
+                "layer {i} of a model of {} layers",
+                self.layers.len()
+            )));
+        }
+        let l = self.layers.get(i, |ld, i| self.load_layer(ld, i))?;
+        let Ffn::Moe(moe) = &l.ffn else {
+            return Ok(None);
+        };
+        Ok(Some(self.routing_of(moe)?))
+    }
+
+    fn routing_of(&self, moe: &Moe) -> Result<Routing> {
+        let bias = match &moe.probs_bias {
+            Some(b) => b.to_dtype(DType::F64)?.to_vec1::<f64>()?,
+            None => vec![0.0; self.n_expert],
+        };
+        Ok(Routing {
+            gating: self.gating,
+            bias,
+            n_expert_used: self.n_expert_used,
+        })
+    }
+
+    /// [`Self::hidden`] with the experts of some `(layer, token)`s chosen by `forced` instead
+    /// of by the router (their weights are still the router's probabilities of those experts).
+    pub fn hidden_routed(&self, tokens: &[u32], taps: Taps<'_>, forced: &Forced) -> Result<Tensor> {
         let n = tokens.len();
         let (h, nope, rd, vd) = (self.n_head, self.nope, self.rope_dim, self.v_dim);
         let mut x = self.vocab.embed(tokens)?;
@@ -346,7 +380,7 @@ impl Deepseek2 {
                 Ffn::Moe(moe) => {
                     let logits = linear(&m, &moe.router)?;
                     tap(taps, &name("router"), &logits)?;
-                    self.moe(&m, &logits, moe)?
+                    self.moe(&m, &logits, moe, i, forced)?
                 }
             };
             tap(taps, &name("ffn_out"), &f)?;
@@ -355,39 +389,49 @@ impl Deepseek2 {
         }
         let x = rms_norm(&x, &self.output_norm, self.eps)?;
         tap(taps, "output_norm", &x)?;
-        let logits = self.vocab.logits(&x)?;
-        tap(taps, "logits", &logits)?;
-        Ok(logits)
+        Ok(x)
+    }
+
+    /// The output head on normed hidden states `x: [n, n_embd]`.
+    pub fn head(&self, x: &Tensor) -> Result<Tensor> {
+        self.vocab.logits(x)
     }
 
     /// Routed experts plus shared experts for `m: [n, n_embd]` given router `logits: [n, n_expert]`.
     ///
     /// Routing (a discrete choice and a handful of weights per token) is computed on the host in
     /// f64 for both precisions; the expert FFNs run in the model's dtype.
-    fn moe(&self, m: &Tensor, logits: &Tensor, moe: &Moe) -> Result<Tensor> {
+    fn moe(
+        &self,
+        m: &Tensor,
+        logits: &Tensor,
+        moe: &Moe,
+        layer: usize,
+        forced: &Forced,
+    ) -> Result<Tensor> {
         let n = m.dim(0)?;
         let dtype = m.dtype();
         let logits = logits.to_dtype(DType::F64)?.to_vec2::<f64>()?;
-        let bias = match &moe.probs_bias {
-            Some(b) => b.to_dtype(DType::F64)?.to_vec1::<f64>()?,
-            None => vec![0.0; self.n_expert],
-        };
+        let routing = self.routing_of(moe)?;
         // per expert: which tokens chose it, and with what weight
         let mut routes: Vec<(Vec<u32>, Vec<f64>)> = vec![(Vec::new(), Vec::new()); self.n_expert];
         for (t, row) in logits.iter().enumerate() {
-            let probs: Vec<f64> = match self.gating {
-                Gating::Softmax => {
-                    let max = row.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-                    let e: Vec<f64> = row.iter().map(|&z| (z - max).exp()).collect();
-                    let s: f64 = e.iter().sum();
-                    e.iter().map(|&v| v / s).collect()
+            let probs = routing.probs(row);
+            let chosen = match forced.get(&(layer, t)) {
+                Some(experts) => {
+                    if experts.len() != self.n_expert_used
+                        || experts.iter().any(|&e| e >= self.n_expert)
+                    {
+                        return Err(ReferenceError::Unsupported(format!(
+                            "forced route of layer {layer}, token {t}: expected {} experts below \
+                             {}, found {experts:?}",
+                            self.n_expert_used, self.n_expert
+                        )));
+                    }
+                    experts.clone()
                 }
-                Gating::Sigmoid => row.iter().map(|&z| 1.0 / (1.0 + (-z).exp())).collect(),
+                None => routing.choose_from_probs(&probs),
             };
-            let mut order: Vec<usize> = (0..self.n_expert).collect();
-            // highest biased score first; ties keep the lower expert index first
-            order.sort_by(|&a, &b| (probs[b] + bias[b]).total_cmp(&(probs[a] + bias[a])));
-            let chosen = &order[..self.n_expert_used];
             let mut weights: Vec<f64> = chosen.iter().map(|&e| probs[e]).collect();
             if self.norm_weights {
                 let sum = weights.iter().sum::<f64>().max(WEIGHT_SUM_FLOOR);

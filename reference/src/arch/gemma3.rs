@@ -148,6 +148,10 @@ impl Gemma3 {
         &mut self.vocab
     }
 
+    pub fn vocab(&self) -> &Vocab {
+        &self.vocab
+    }
+
     pub fn vocab_size(&self) -> usize {
         self.vocab.n_vocab()
     }
@@ -156,7 +160,8 @@ impl Gemma3 {
         self.layers.len()
     }
 
-    pub fn forward(&self, tokens: &[u32], taps: Taps<'_>) -> Result<Tensor> {
+    /// Every tap up to `output_norm`; returns the normed final hidden states `[n, n_embd]`.
+    pub fn hidden(&self, tokens: &[u32], taps: Taps<'_>) -> Result<Tensor> {
         let n = tokens.len();
         let mut x = (self.vocab.embed(tokens)? * (self.n_embd as f64).sqrt())?;
         tap(taps, "embed", &x)?;
@@ -200,12 +205,15 @@ impl Gemma3 {
         }
         let x = rms_norm(&x, &self.output_norm, self.eps)?;
         tap(taps, "output_norm", &x)?;
+        Ok(x)
+    }
+
+    /// The output head on normed hidden states `x: [n, n_embd]`, soft-capped if configured.
+    pub fn head(&self, x: &Tensor) -> Result<Tensor> {
         // soft-capping is elementwise: applied to each chunk of head rows as it is computed
-        let logits = self.vocab.logits_with(&x, |l| match self.softcap {
+        self.vocab.logits_with(x, |l| match self.softcap {
             Some(cap) => Ok(((l / cap)?.tanh()? * cap)?),
             None => Ok(l),
-        })?;
-        tap(taps, "logits", &logits)?;
-        Ok(logits)
+        })
     }
 }

@@ -101,6 +101,10 @@ impl Llama {
         &mut self.vocab
     }
 
+    pub fn vocab(&self) -> &Vocab {
+        &self.vocab
+    }
+
     pub fn vocab_size(&self) -> usize {
         self.vocab.n_vocab()
     }
@@ -109,7 +113,8 @@ impl Llama {
         self.layers.len()
     }
 
-    pub fn forward(&self, tokens: &[u32], taps: Taps<'_>) -> Result<Tensor> {
+    /// Every tap up to `output_norm`; returns the normed final hidden states `[n, n_embd]`.
+    pub fn hidden(&self, tokens: &[u32], taps: Taps<'_>) -> Result<Tensor> {
         let n = tokens.len();
         let mut x = self.vocab.embed(tokens)?;
         tap(taps, "embed", &x)?;
@@ -142,8 +147,11 @@ impl Llama {
         }
         let x = rms_norm(&x, &self.output_norm, self.eps)?;
         tap(taps, "output_norm", &x)?;
-        let logits = self.vocab.logits(&x)?;
-        tap(taps, "logits", &logits)?;
-        Ok(logits)
+        Ok(x)
+    }
+
+    /// The output head on normed hidden states `x: [n, n_embd]`.
+    pub fn head(&self, x: &Tensor) -> Result<Tensor> {
+        self.vocab.logits(x)
     }
 }

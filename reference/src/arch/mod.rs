@@ -384,6 +384,10 @@ impl Vocab {
         self.n_vocab
     }
 
+    pub fn n_embd(&self) -> usize {
+        self.n_embd
+    }
+
     /// Head rows per matrix product (tests set small values to exercise the chunking).
     pub fn set_chunk_rows(&mut self, rows: usize) {
         self.chunk_rows = rows.max(1);

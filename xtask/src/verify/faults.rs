@@ -164,6 +164,43 @@ const FAULTS: &[Expectation] = &[
         case: "llama/*/*/tp1-shm/tree-b8k4",
         expect: "gate:spec.support",
     },
+    // The last 8 of each 32-value Q8_0 block one quantum high (weight NMSE ~1e-4): the first
+    // Q8_0 product of llama-q8_0 is attn_q (token_embd is looked up, not multiplied), and the
+    // exact-numerics bound of q (4.0e-6) sees what the old full-precision one (3.3e-4) did not.
+    Expectation {
+        fault: Fault::Q8_0BlockTail,
+        case: "llama/q8_0/*/tp1-shm/off",
+        expect: "blk.0.q",
+    },
+    // Only a product of more than 64 tokens with a partial last tile: the off cases feed 32
+    // (fixtures) and 64 (real model) tokens and miss it; the chunked case's first chunk is 67,
+    // so its 3 tail rows of q are the first wrong values (attn_q is the first product).
+    Expectation {
+        fault: Fault::PrefillTileTail,
+        case: "llama/f16/*/tp1-shm/chunked",
+        expect: "blk.0.q",
+    },
+    // Only decode steps past position 300: the decode case steps one token at a time to 340;
+    // q/k/v are right, attention over the cells without the newest one is not.
+    Expectation {
+        fault: Fault::DecodeLateKvOffByOne,
+        case: "llama/f16/*/tp1-shm/decode",
+        expect: "blk.0.attn",
+    },
+    // The router logits are right (layer-isolated: same input), the mix of the first MoE layer
+    // (layer 0 is dense) is not.
+    Expectation {
+        fault: Fault::MoeWeightsSwapped,
+        case: "deepseek2/q4_k/*/tp1-shm/off",
+        expect: "blk.1.ffn_out",
+    },
+    // deepseek2's MLA query (attn_q_b after the replicated low-rank attn_q_a) split over two
+    // ranks: the gathered queries have their halves swapped.
+    Expectation {
+        fault: Fault::TpMlaShardOrder,
+        case: "deepseek2/q4_k/*/tp2-shm/off",
+        expect: "blk.0.q",
+    },
 ];
 
 struct Outcome {

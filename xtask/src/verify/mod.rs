@@ -10,6 +10,8 @@ mod faults;
 mod isolate;
 mod model_file;
 mod models;
+mod path_case;
+mod routes;
 mod rss;
 mod run_case;
 mod serve_case;

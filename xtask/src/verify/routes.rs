@@ -1,0 +1,263 @@
+//! MoE, route-aware: where the engine and the reference choose different experts for a token,
+//! report the flip with both sides' router scores, accept it only inside a tie margin, and
+//! compare that layer with the reference following the engine's choice.
+//!
+//! In the layer-isolated exact comparison both sides' routers read the same input, so their
+//! logits differ by rounding only (the `router` tap's flat bound), and a different choice is
+//! possible only where two experts' selection scores are that close. Both choices are computed
+//! by the reference's own routing ([`reference::Routing`]: gating, bias, top-k) from each side's
+//! `blk.{i}.router` tap, so a flip means the router logits moved the choice, not that the
+//! engine's top-k kernel is wrong (a wrong top-k is caught at `ffn_out` as before).
+//!
+//! **Tie margin.** The router tap may differ by NMSE `b` (its exact bound), an error RMS of
+//! `√b·rms(row)` per logit. Taking each of the two experts' logits off by up to 4× that RMS and
+//! the gate's slope at its steepest (1/4 for a sigmoid, and `p(1−p) ≤ 1/4` for a softmax), their
+//! score gap moves by at most `2 · 4 · √b · rms / 4 = 2√b·rms`: a flip whose reference score gap
+//! is within that is rounding; one past it is a router that is wrong.
+
+use std::collections::BTreeMap;
+
+use harness::gate::GateResult;
+use harness::tap::Tap;
+use reference::{ForcedRoutes, Routing};
+
+/// One token whose experts differ.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Flip {
+    pub layer: usize,
+    pub token: usize,
+    /// The experts each side chose (rank order) and their selection scores on that side.
+    pub engine: Vec<(usize, f64)>,
+    pub reference: Vec<(usize, f64)>,
+    /// Reference score of the lowest expert only it chose, less the highest only the engine
+    /// chose (≥ 0: the reference ranked its own choice higher).
+    pub gap: f64,
+    pub margin: f64,
+}
+
+impl Flip {
+    pub fn within_margin(&self) -> bool {
+        self.gap <= self.margin
+    }
+}
+
+/// Rows of a `[n, width]` tap.
+fn rows(t: &Tap) -> impl Iterator<Item = Vec<f64>> + '_ {
+    let w = t.shape.last().copied().unwrap_or(1).max(1);
+    t.data
+        .chunks_exact(w)
+        .map(|r| r.iter().map(|&x| x as f64).collect())
+}
+
+/// The flips of every MoE layer: `routing` by layer, the engine's and the reference's taps
+/// (layer-isolated, exact numerics), and the `router` tap's NMSE bound.
+pub fn flips(
+    routing: &BTreeMap<usize, Routing>,
+    engine: &[Tap],
+    reference: &[Tap],
+    router_nmse_max: f64,
+) -> Vec<Flip> {
+    let find = |taps: &'_ [Tap], name: &str| taps.iter().find(|t| t.name == name).cloned();
+    let mut out = Vec::new();
+    for (&layer, r) in routing {
+        let name = format!("blk.{layer}.router");
+        let (Some(e), Some(rf)) = (find(engine, &name), find(reference, &name)) else {
+            continue;
+        };
+        for (token, (el, rl)) in rows(&e).zip(rows(&rf)).enumerate() {
+            let (ec, rc) = (r.choose(&el), r.choose(&rl));
+            let mut es = ec.clone();
+            let mut rs = rc.clone();
+            es.sort_unstable();
+            rs.sort_unstable();
+            if es == rs {
+                continue;
+            }
+            let (e_scores, r_scores) = (r.scores(&el), r.scores(&rl));
+            let only_ref = rc.iter().filter(|x| !ec.contains(x));
+            let only_eng = ec.iter().filter(|x| !rc.contains(x));
+            let low_ref = only_ref.map(|&x| r_scores[x]).fold(f64::INFINITY, f64::min);
+            let high_eng = only_eng
+                .map(|&x| r_scores[x])
+                .fold(f64::NEG_INFINITY, f64::max);
+            let rms = (rl.iter().map(|x| x * x).sum::<f64>() / rl.len().max(1) as f64).sqrt();
+            out.push(Flip {
+                layer,
+                token,
+                engine: ec.iter().map(|&x| (x, e_scores[x])).collect(),
+                reference: rc.iter().map(|&x| (x, r_scores[x])).collect(),
+                gap: low_ref - high_eng,
+                margin: 2.0 * router_nmse_max.sqrt() * rms,
+            });
+        }
+    }
+    out
+}
+
+/// The engine's choices of the flips inside the margin, for the reference to follow.
+pub fn forced(flips: &[Flip]) -> ForcedRoutes {
+    flips
+        .iter()
+        .filter(|f| f.within_margin())
+        .map(|f| {
+            (
+                (f.layer, f.token),
+                f.engine.iter().map(|&(e, _)| e).collect(),
+            )
+        })
+        .collect()
+}
+
+/// The `routes` gate: the number of flips outside the tie margin must be 0; the detail lists the
+/// flips (at most 4) with both sides' experts and scores.
+pub fn gate(flips: &[Flip]) -> GateResult {
+    let outside = flips.iter().filter(|f| !f.within_margin()).count();
+    let fmt = |v: &[(usize, f64)]| {
+        v.iter()
+            .map(|(e, s)| format!("{e} ({s:.4})"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let mut detail: Vec<String> = flips
+        .iter()
+        .take(4)
+        .map(|f| {
+            format!(
+                "blk.{} token {}: engine [{}], reference [{}], reference score gap {:.2e} {} \
+                 tie margin {:.2e}",
+                f.layer,
+                f.token,
+                fmt(&f.engine),
+                fmt(&f.reference),
+                f.gap,
+                if f.within_margin() { "within" } else { "PAST" },
+                f.margin
+            )
+        })
+        .collect();
+    if flips.len() > 4 {
+        detail.push(format!("… {} more", flips.len() - 4));
+    }
+    let detail = if flips.is_empty() {
+        "both sides choose the same experts for every token".to_owned()
+    } else {
+        format!(
+            "{} flip(s), {outside} past the tie margin; the layers of those within it are \
+             compared with the reference following the engine's choice: {}",
+            flips.len(),
+            detail.join("; ")
+        )
+    };
+    GateResult::at_most("routes", outside as f64, 0.0, detail)
+}
+
+/// Replace the reference's `blk.{layer}.ffn_out` and `.out` taps by `forced`'s, for each layer
+/// with a followed flip (the taps of one forced run per layer: layer-isolated, each layer's
+/// input is the unforced reference's).
+pub fn follow(reference: &[Tap], per_layer: &BTreeMap<usize, Vec<Tap>>) -> Vec<Tap> {
+    reference
+        .iter()
+        .map(|t| {
+            let swap = per_layer.iter().find_map(|(layer, forced)| {
+                let own = [format!("blk.{layer}.ffn_out"), format!("blk.{layer}.out")];
+                own.contains(&t.name)
+                    .then(|| forced.iter().find(|f| f.name == t.name))
+                    .flatten()
+            });
+            swap.unwrap_or(t).clone()
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use reference::Gating;
+
+    fn routing() -> Routing {
+        Routing {
+            gating: Gating::Sigmoid,
+            bias: vec![0.0; 4],
+            n_expert_used: 2,
+        }
+    }
+
+    fn router(rows: &[[f32; 4]]) -> Tap {
+        Tap::new(
+            "blk.1.router",
+            vec![rows.len(), 4],
+            rows.iter().flatten().copied().collect(),
+        )
+    }
+
+    fn check(engine: &[[f32; 4]], reference: &[[f32; 4]], bound: f64) -> Vec<Flip> {
+        let mut r = BTreeMap::new();
+        r.insert(1, routing());
+        flips(&r, &[router(engine)], &[router(reference)], bound)
+    }
+
+    #[test]
+    fn same_choice_is_no_flip() {
+        // Different logits, the same two experts (order aside).
+        assert!(check(&[[3.0, 2.0, 0.0, 0.0]], &[[2.0, 3.0, 0.1, 0.0]], 1e-4).is_empty());
+    }
+
+    #[test]
+    fn near_tie_flip_is_within_the_margin_and_followed() {
+        // Experts 1 and 2 nearly tied on the reference side; the engine ranks 2 above 1.
+        let f = check(
+            &[[3.0, 1.0, 1.001, -2.0], [3.0, 2.0, 0.0, 0.0]],
+            &[[3.0, 1.0005, 1.0, -2.0], [3.0, 2.0, 0.0, 0.0]],
+            8.7e-5,
+        );
+        assert_eq!(f.len(), 1, "{f:?}");
+        assert_eq!((f[0].layer, f[0].token), (1, 0));
+        assert_eq!(f[0].engine.iter().map(|e| e.0).collect::<Vec<_>>(), [0, 2]);
+        assert_eq!(
+            f[0].reference.iter().map(|e| e.0).collect::<Vec<_>>(),
+            [0, 1]
+        );
+        // sigmoid slope at 1 is 0.197: gap ≈ 1e-4; margin 2·√8.7e-5·rms(≈1.94) ≈ 0.036.
+        assert!(f[0].within_margin(), "{f:?}");
+        let forced = forced(&f);
+        assert_eq!(forced.get(&(1, 0)), Some(&vec![0, 2]));
+        let g = gate(&f);
+        assert!(g.passed && g.detail.contains("within"), "{}", g.detail);
+    }
+
+    #[test]
+    fn a_flip_past_the_margin_fails_the_gate() {
+        // The engine's router put expert 3 first: far from any tie on the reference side.
+        let f = check(&[[0.0, 1.0, 0.0, 4.0]], &[[3.0, 1.0, 0.0, -2.0]], 8.7e-5);
+        assert_eq!(f.len(), 1);
+        assert!(!f[0].within_margin(), "{f:?}");
+        assert!(forced(&f).is_empty());
+        let g = gate(&f);
+        assert!(!g.passed && g.detail.contains("PAST"), "{}", g.detail);
+    }
+
+    #[test]
+    fn following_replaces_only_the_flipped_layers_own_outputs() {
+        let t = |n: &str, v: f32| Tap::new(n, vec![1, 1], vec![v]);
+        let reference = vec![
+            t("blk.1.router", 1.0),
+            t("blk.1.ffn_out", 2.0),
+            t("blk.1.out", 3.0),
+            t("blk.2.ffn_out", 4.0),
+        ];
+        let mut per_layer = BTreeMap::new();
+        per_layer.insert(
+            1,
+            vec![
+                t("blk.1.router", 9.0),
+                t("blk.1.ffn_out", 20.0),
+                t("blk.1.out", 30.0),
+            ],
+        );
+        let got: Vec<f32> = follow(&reference, &per_layer)
+            .iter()
+            .map(|t| t.data[0])
+            .collect();
+        assert_eq!(got, [1.0, 20.0, 30.0, 4.0]);
+    }
+}
