@@ -57,6 +57,13 @@ impl CostCurve {
     }
 }
 
+/// A costly drafter is tried only if, with every draft token accepted, some budget would beat
+/// plain decoding by this factor: learning its acceptance costs drafts and verifies that gain
+/// nothing when it is poor, and a best case under 1.25× cannot win that back within a short
+/// generation (a self-draft of Gemma 3 270M, whose 262k-row head is 0.6 of a decode step, has a
+/// best case of about 1.1×; a small model drafting for a large one, 2–4×).
+pub const PROBE_WORTH: f64 = 1.25;
+
 /// The policy's state.
 #[derive(Clone, Debug)]
 pub struct Policy {
@@ -125,9 +132,8 @@ impl Policy {
         if b == 0 {
             return 1.0 / (self.cost.secs(1) + self.head_one);
         }
-        // The walk reads one head row per emitted token.
         let tokens = 1.0 + self.accepted[i];
-        tokens / (self.cost.verify_secs(b + 1, tokens) + self.draft_cost(b))
+        tokens / self.round_secs(b, tokens)
     }
 
     /// The budget for the next round.
@@ -135,11 +141,11 @@ impl Policy {
     /// Before enough trees are observed: plain decoding for a cheap drafter (its trees are
     /// observed on plain rounds), otherwise the smallest budget (the trees observed are the
     /// drafter's full ones, so every budget's acceptance is still learnt) — and plain decoding
-    /// as soon as a measured draft costs so much that no budget could pay even if every draft
-    /// token were accepted.
+    /// as soon as a measured (for a self-draft, estimated) draft costs so much that no budget
+    /// could beat plain decoding by [`PROBE_WORTH`] even if every draft token were accepted.
     pub fn choose(&self) -> usize {
         if self.observed < self.warmup {
-            if self.shadow || (self.draft_level_secs > 0.0 && !self.could_pay()) {
+            if self.shadow || (self.draft_level_secs > 0.0 && !self.could_pay(PROBE_WORTH)) {
                 return 0;
             }
             return self.budgets.get(1).copied().unwrap_or(0);
@@ -156,12 +162,21 @@ impl Policy {
         best
     }
 
-    /// Whether some budget beats plain decoding when all its draft tokens are accepted.
-    fn could_pay(&self) -> bool {
-        let plain = self.rate(0) * self.margin;
+    /// Seconds of a round of budget `b` that emits `tokens`: the layers over the tree, the head
+    /// (one row per emitted token at the plan's price, and never less than one one-row pass),
+    /// and a costly drafter's levels.
+    fn round_secs(&self, b: usize, tokens: f64) -> f64 {
+        let head = (tokens * self.cost.head_row).max(self.head_one);
+        self.cost.secs(b + 1) + head + self.draft_cost(b)
+    }
+
+    /// Whether some budget beats plain decoding by `factor` when all its draft tokens are
+    /// accepted (a chain of `min(b, max_depth)`).
+    fn could_pay(&self, factor: f64) -> bool {
+        let plain = self.rate(0) * factor;
         self.budgets.iter().skip(1).any(|&b| {
-            let tokens = 1.0 + b as f64;
-            tokens / (self.cost.verify_secs(b + 1, tokens) + self.draft_cost(b)) > plain
+            let tokens = 1.0 + b.min(self.max_depth) as f64;
+            tokens / self.round_secs(b, tokens) > plain
         })
     }
 
@@ -222,27 +237,29 @@ impl Policy {
     /// The output so far: settle every remembered tree whose continuation is known.
     pub fn observe(&mut self, output: &[u32]) {
         while let Some((at, tree)) = self.pending.front() {
-            let need = *at + tree.max_depth() as usize;
-            let done = output.len() >= need;
-            if !done {
-                break;
-            }
-            let (at, tree) = match self.pending.pop_front() {
-                Some(x) => x,
-                None => break,
-            };
-            // The path of the tree that the output follows, node indices.
+            // The path of the tree that the output follows, node indices. It is final once the
+            // output leaves the tree (or reaches a leaf): a tree is settled as soon as the
+            // tokens after it diverge, not only once its whole depth has been emitted, so that
+            // a cheap drafter's warm-up on plain rounds takes a few rounds, not depth more.
             let mut node = 0;
             let mut path = Vec::new();
-            for &t in &output[at..] {
+            let mut settled = false;
+            for &t in output.get(*at..).unwrap_or(&[]) {
                 match tree.child_with(node, t) {
                     Some(c) => {
                         path.push(c);
                         node = c;
                     }
-                    None => break,
+                    None => {
+                        settled = true;
+                        break;
+                    }
                 }
             }
+            if !settled && tree.children(node).next().is_some() {
+                break;
+            }
+            self.pending.pop_front();
             self.observed += 1;
             let w = 1.0 / (self.observed.min(32) as f64);
             for (i, &b) in self.budgets.iter().enumerate() {
@@ -358,6 +375,27 @@ mod tests {
     }
 
     #[test]
+    fn a_tree_is_settled_as_soon_as_the_output_leaves_it() {
+        let cost = CostCurve {
+            secs: vec![1.0; 9],
+            head_row: 0.1,
+        };
+        let mut p = Policy::new(8, cost);
+        // A chain of 8 drafted at output length 0; the output follows it for 2 tokens.
+        p.record(0, chain(&[10, 11, 12, 13, 14, 15, 16, 17]));
+        p.observe(&[10, 11]);
+        assert_eq!(p.observed, 0, "the output may still follow the chain");
+        p.observe(&[10, 11, 99]);
+        assert_eq!(p.observed, 1, "settled at the divergence, 5 tokens before its depth");
+        assert_eq!(p.accepted()[2], (2, 2.0));
+        assert_eq!(p.accepted()[4], (8, 2.0));
+        // A path to a leaf is settled too.
+        p.record(3, chain(&[20]));
+        p.observe(&[10, 11, 99, 20]);
+        assert_eq!(p.observed, 2);
+    }
+
+    #[test]
     fn a_self_draft_that_cannot_pay_is_never_run() {
         // Gemma 3 270M at 2 threads: layers 0.4 of a step, the head row 0.6. Four layers of 18
         // and the full head cost 0.69 of a step per level, and every emitted token costs a head
@@ -371,12 +409,13 @@ mod tests {
         p.self_draft(4.0 / 18.0);
         assert!((p.draft_level_secs - (4.0 / 18.0 * 0.4 + 0.6)).abs() < 1e-12);
         assert_eq!(p.choose(), 0);
-        // A cheap head (a small vocabulary): the same self-draft could pay, so it warms up.
+        // A cheap head (a small vocabulary) and layers whose cost hardly grows with the tokens
+        // (a large model): the same self-draft could pay, so it warms up.
         let mut q = Policy::new(
             8,
             CostCurve {
+                secs: (1..=17).map(|n| 0.2 + 0.02 * n as f64).collect(),
                 head_row: 0.01,
-                ..cost
             },
         );
         q.self_draft(4.0 / 18.0);
