@@ -4,6 +4,8 @@
 //! timings. A kernel whose in-cache figure is not far above the memory figure is compute-bound
 //! in decode; this is how the decode kernels' instruction choices were measured.
 
+mod common;
+
 use std::time::Instant;
 
 use kernels::cpu::CpuKernels;
@@ -16,13 +18,7 @@ fn main() {
         .expect("thread pool");
     let k = CpuKernels::detect();
     println!("isa {:?}, 1 thread", k.isa());
-    let mut seed = 0x9E37_79B9_u32;
-    let mut rand = move || {
-        seed ^= seed << 13;
-        seed ^= seed >> 17;
-        seed ^= seed << 5;
-        (seed as f32 / u32::MAX as f32) - 0.5
-    };
+    let mut rand = common::signal();
     // The row widths of Gemma 3 270M: 640 for the head and the Q5_0 projections, 2048 for ffn_down.
     for ty in [GgmlType::Q8_0, GgmlType::Q5_0, GgmlType::Q4K, GgmlType::Q6K] {
         let k_dim = if matches!(ty, GgmlType::Q4K | GgmlType::Q6K) {

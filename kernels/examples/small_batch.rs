@@ -5,6 +5,8 @@
 //! second. A product that is bound by reading the weights costs about the same for every row
 //! count; one bound by compute grows with it.
 
+mod common;
+
 use std::time::Instant;
 
 use kernels::cpu::CpuKernels;
@@ -29,13 +31,7 @@ fn main() {
         (GgmlType::Q6K, 640, 2048),
         (GgmlType::Q8_0, 32768, 640),
     ];
-    let mut seed = 0x9E37_79B9_u32;
-    let mut rand = move || {
-        seed ^= seed << 13;
-        seed ^= seed >> 17;
-        seed ^= seed << 5;
-        (seed as f32 / u32::MAX as f32) - 0.5
-    };
+    let mut rand = common::signal();
     for (ty, n_rows, k_dim) in cases {
         let wf: Vec<f32> = (0..n_rows * k_dim).map(|_| rand()).collect();
         let w = quantize(ty, &wf).expect("quantize");

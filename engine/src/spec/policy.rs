@@ -386,7 +386,10 @@ mod tests {
         p.observe(&[10, 11]);
         assert_eq!(p.observed, 0, "the output may still follow the chain");
         p.observe(&[10, 11, 99]);
-        assert_eq!(p.observed, 1, "settled at the divergence, 5 tokens before its depth");
+        assert_eq!(
+            p.observed, 1,
+            "settled at the divergence, 5 tokens before its depth"
+        );
         assert_eq!(p.accepted()[2], (2, 2.0));
         assert_eq!(p.accepted()[4], (8, 2.0));
         // A path to a leaf is settled too.
