@@ -92,11 +92,7 @@ pub struct Policy {
     /// Trees observed before the first choice from observations; until then the smallest
     /// budget (plain decoding once a measured draft is too costly to ever pay), or plain
     /// decoding when `shadow` (a cheap drafter's trees are observed on plain rounds too, so
-    /// nothing is spent on speculation that may not pay). Two by default: a tree settles as
-    /// soon as the output leaves it and every later round is observed too, so the first choice
-    /// needs only a rough estimate, while each warm-up round of a cheap drafter is a plain round
-    /// that emits one token where a speculative one on code emits about four (with 4, adaptive
-    /// trailed the best fixed budget on code by about 15%).
+    /// nothing is spent on speculation that may not pay).
     pub warmup: usize,
     pub shadow: bool,
 }
@@ -125,7 +121,7 @@ impl Policy {
             draft_estimated: false,
             pending: VecDeque::new(),
             margin: 1.05,
-            warmup: 2,
+            warmup: 4,
             shadow: false,
         }
     }
