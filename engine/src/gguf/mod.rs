@@ -178,7 +178,7 @@ impl Gguf {
             }
         };
         if !copy {
-            return Ok(self.maps.iter().all(Backing::is_resident) && !self.maps.is_empty());
+            return Ok(self.is_resident());
         }
         for (map, shard) in self.maps.iter_mut().zip(&self.shards) {
             if map.is_resident() {

@@ -326,11 +326,17 @@ fn dot_mxfp4(w: &[u8], y: &[BlockQ8_0]) -> f32 {
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 pub(super) fn mins_dot_bsums(mins: &[u8; 8], bsums: &[i16; 16]) -> __m128i {
+    mins_i16_dot_bsums(_mm_cvtepu8_epi16(ld64(mins)), bsums)
+}
+
+/// [`mins_dot_bsums`] with the eight mins already widened to i16 lanes.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(super) fn mins_i16_dot_bsums(mins: __m128i, bsums: &[i16; 16]) -> __m128i {
     let b: &[u8; 32] = bytemuck::cast_ref(bsums);
     let s = ld_u8(b);
     let pairs = _mm_hadd_epi16(_mm256_castsi256_si128(s), _mm256_extracti128_si256::<1>(s));
-    let m = _mm_cvtepu8_epi16(ld64(mins));
-    _mm_madd_epi16(m, pairs)
+    _mm_madd_epi16(mins, pairs)
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]

@@ -14,8 +14,8 @@ use std::mem::MaybeUninit;
 use half::f16;
 
 use super::avx2::{
-    bytes_from_bits_32, f16_to_f32, fp16, hsum_ps, hsum_ps128, ld128, ld_i8, ld_u8, mins_dot_bsums,
-    nibbles_32, q6k_bias, q6k_unpack,
+    bytes_from_bits_32, f16_to_f32, fp16, hsum_ps, hsum_ps128, ld128, ld_i8, ld_u8,
+    mins_i16_dot_bsums, nibbles_32, q6k_bias, q6k_unpack,
 };
 use super::scalar::scales_mins_k4;
 use super::{RowDot, RowDot4, RowPanel, RowRows};
@@ -914,7 +914,6 @@ fn scale_pair(a: i16, b: i16) -> __m512i {
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 #[inline]
 fn dot_q4k_n<const N: usize, const VNNI: bool>(w: &[u8], ys: [&[BlockQ8K]; N]) -> [f32; N] {
-    let m4 = _mm256_set1_epi8(0x0F);
     let nb = w.len() / 144;
     let ys = ys.map(|y| &y[..nb]);
     let mut acc = [_mm256_setzero_ps(); N];
@@ -924,26 +923,19 @@ fn dot_q4k_n<const N: usize, const VNNI: bool>(w: &[u8], ys: [&[BlockQ8K]; N]) -
         for l in 0..144usize.div_ceil(64) {
             prefetch(xb.as_ptr().wrapping_add(64 * l + PREFETCH_AHEAD));
         }
-        let (dw, dminw) = (fp16(&xb[0..]), fp16(&xb[2..]));
-        let mut s12 = [0u8; 12];
-        s12.copy_from_slice(&xb[4..16]);
-        let (sc, mn) = scales_mins_k4(&s12);
-        let qs = &xb[16..144];
-        let mut q = [_mm512_setzero_si512(); 4];
-        let mut s = [_mm512_setzero_si512(); 4];
-        for j in 0..4 {
-            // 64 elements: low nibbles (64j .. 64j + 32), then high nibbles.
-            let bits = ld_u8(&qs[32 * j..]);
-            let lo = _mm256_and_si256(bits, m4);
-            let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(bits), m4);
-            q[j] = cat(lo, hi);
-            s[j] = scale_pair(i16::from(sc[2 * j]), i16::from(sc[2 * j + 1]));
-        }
+        let KRow {
+            q,
+            s,
+            extra: mins,
+            d: dw,
+            dmin: dminw,
+        } = krow_q4k(xb);
+        let mins = _mm256_castsi256_si128(mins);
         for n in 0..N {
             let yb = &ys[n][i];
             let d = yb.d * dw;
             let dmin = -yb.d * dminw;
-            let prod = mins_dot_bsums(&mn, &yb.bsums);
+            let prod = mins_i16_dot_bsums(mins, &yb.bsums);
             acc_m[n] = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(prod), acc_m[n]);
             let mut sumi = _mm512_setzero_si512();
             for j in 0..4 {
@@ -965,7 +957,6 @@ fn dot_q4k_n<const N: usize, const VNNI: bool>(w: &[u8], ys: [&[BlockQ8K]; N]) -
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 #[inline]
 fn dot_q6k_n<const N: usize, const VNNI: bool>(w: &[u8], ys: [&[BlockQ8K]; N]) -> [f32; N] {
-    let spread = spread4();
     let nb = w.len() / 210;
     let ys = ys.map(|y| &y[..nb]);
     let mut acc = [_mm256_setzero_ps(); N];
@@ -974,22 +965,8 @@ fn dot_q6k_n<const N: usize, const VNNI: bool>(w: &[u8], ys: [&[BlockQ8K]; N]) -
         for l in 0..210usize.div_ceil(64) {
             prefetch(xb.as_ptr().wrapping_add(64 * l + PREFETCH_AHEAD));
         }
-        let dw = fp16(&xb[208..]);
+        let KRow { q, s, d: dw, .. } = krow_q6k(xb);
         let scales = &xb[192..208];
-        // The sixteen scales as i16, and a permutation per 64 elements spreading four of them
-        // over eight lanes each.
-        let sc16 = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(ld128(scales)));
-        let mut q = [_mm512_setzero_si512(); 4];
-        let mut s = [_mm512_setzero_si512(); 4];
-        for n in 0..2 {
-            let u = q6k_unpack(&xb[64 * n..], &xb[128 + 32 * n..]);
-            for h in 0..2 {
-                let base = (8 * n + 4 * h) as i16;
-                let idx = _mm512_add_epi16(_mm512_set1_epi16(base), spread);
-                s[2 * n + h] = _mm512_permutexvar_epi16(idx, sc16);
-                q[2 * n + h] = cat(u[2 * h], u[2 * h + 1]);
-            }
-        }
         for t in 0..N {
             let yb = &ys[t][i];
             let d = yb.d * dw;
@@ -1213,7 +1190,8 @@ unsafe fn panel_blocks_kquant<const Q6: bool>(
     K_PANELS.with(|k| k.replace(p));
 }
 
-/// One Q4_K block of a weight row for the panel (what [`dot_q4k_n`] unpacks).
+/// One Q4_K block of a weight row, unpacked: by [`dot_q4k_n`] per block, by the panel once per
+/// task.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 #[inline]
 fn krow_q4k(xb: &[u8]) -> KRow {
@@ -1242,7 +1220,8 @@ fn krow_q4k(xb: &[u8]) -> KRow {
     }
 }
 
-/// One Q6_K block of a weight row for the panel (what [`dot_q6k_n`] unpacks).
+/// One Q6_K block of a weight row, unpacked: by [`dot_q6k_n`] per block, by the panel once per
+/// task.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 #[inline]
 fn krow_q6k(xb: &[u8]) -> KRow {
