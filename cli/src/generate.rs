@@ -6,62 +6,17 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use engine::gguf::WeightPages;
+use engine::exec::{AnyEngine, BatchEngine, Session};
 use engine::model::Model;
-use engine::runtime::{Backend, CpuBackend, Engine, KvDtype};
+use engine::runtime::KvDtype;
 use engine::sampling::{Sampler, SamplerConfig};
 use engine::spec::{
     self, HeadRows, Limits, ModelProposer, NgramProposer, Proposer, SpecConfig, SpecError,
 };
 use engine::tokenizer::Tokenizer;
-use kernels::cpu::Isa;
 use serde_json::json;
 
-/// The CPU instruction set to run the kernels with.
-#[derive(Clone, Copy, Debug, clap::ValueEnum)]
-pub enum IsaArg {
-    Scalar,
-    Avx2,
-    Avx512,
-}
-
-impl From<IsaArg> for Isa {
-    fn from(a: IsaArg) -> Isa {
-        match a {
-            IsaArg::Scalar => Isa::Scalar,
-            IsaArg::Avx2 => Isa::Avx2,
-            IsaArg::Avx512 => Isa::Avx512,
-        }
-    }
-}
-
-/// Options shared by the commands that run a model on the CPU.
-#[derive(clap::Args, Debug, Clone)]
-pub struct RunArgs {
-    /// Worker threads (default: every available core)
-    #[arg(long)]
-    pub threads: Option<usize>,
-    /// Instruction set of the CPU kernels (default: the widest this CPU has)
-    #[arg(long, value_enum)]
-    pub isa: Option<IsaArg>,
-    /// Where the weights live: `resident` (a copy in huge pages: decode streams faster),
-    /// `map` (the file's memory map, nothing copied), `auto` (resident when the model takes at
-    /// most half the available memory)
-    #[arg(long, default_value = "auto")]
-    pub weights: WeightPages,
-}
-
-impl RunArgs {
-    /// Refuse a misspelt fault setting, then load the model and build the backend.
-    pub fn load(&self, path: &std::path::Path) -> Result<(Model, CpuBackend)> {
-        engine::faults::setting().context("reading the fault-injection setting")?;
-        let model = Model::load_with(path, self.weights)
-            .with_context(|| format!("loading model {}", path.display()))?;
-        let backend = CpuBackend::new(self.isa.map(Isa::from), self.threads)
-            .context("starting the CPU backend")?;
-        Ok((model, backend))
-    }
-}
+use crate::engine_args::EngineArgs;
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -88,10 +43,7 @@ pub struct Args {
     #[arg(long)]
     pub seed: Option<u64>,
     #[command(flatten)]
-    pub run: RunArgs,
-    /// Tensor-parallel ranks (threads on this host, `shm`); 1 runs the model whole
-    #[arg(long, default_value_t = 1)]
-    pub tp: usize,
+    pub engine: EngineArgs,
     /// Print one JSON object (ids, text, throughput) instead of streaming text
     #[arg(long)]
     pub json: bool,
@@ -198,33 +150,27 @@ impl SpecArgs {
     }
 }
 
-/// Run `f` with the drafter `draft` for the target `model` on `backend`.
+/// Run `f` with the drafter `draft` for the target `engine` (a drafter model runs whole on the
+/// target's device).
 pub fn with_proposer<R>(
     draft: &Draft,
-    model: &Model,
-    backend: &CpuBackend,
+    engine: &AnyEngine<'_>,
     window: usize,
     f: impl FnOnce(&mut dyn Proposer) -> Result<R>,
 ) -> Result<R> {
     match draft {
         Draft::Ngram => f(&mut NgramProposer::new(window)),
         Draft::Model(path) => {
-            let dm = Model::load(path)
-                .with_context(|| format!("loading draft model {}", path.display()))?;
-            let (dv, tv) = (dm.config().n_vocab, model.config().n_vocab);
-            if dv != tv {
-                return Err(SpecError::DrafterVocab {
-                    draft: dv,
-                    target: tv,
-                })
-                .with_context(|| format!("draft model {}", path.display()));
-            }
-            let de = Engine::new(&dm, backend).context("preparing the draft model")?;
+            let dm = load_drafter(path, engine.model())?;
+            let de = engine
+                .on_same_device(&dm)
+                .context("preparing the draft model")?;
             let mut p = ModelProposer::new(&de, window, format!("model:{}", path.display()))?;
             f(&mut p)
         }
         Draft::SelfLayers(n) => {
-            let de = Engine::with_layers(model, backend, *n)
+            let de = engine
+                .self_draft(*n)
                 .with_context(|| format!("self-draft of the first {n} layers"))?;
             let mut p = ModelProposer::new(&de, window, format!("self:{n}"))?;
             f(&mut p)
@@ -232,11 +178,25 @@ pub fn with_proposer<R>(
     }
 }
 
+/// Load a drafter model and check that its vocabulary is the target's.
+pub fn load_drafter(path: &std::path::Path, target: &Model) -> Result<Model> {
+    let dm =
+        Model::load(path).with_context(|| format!("loading draft model {}", path.display()))?;
+    let (dv, tv) = (dm.config().n_vocab, target.config().n_vocab);
+    if dv != tv {
+        return Err(SpecError::DrafterVocab {
+            draft: dv,
+            target: tv,
+        })
+        .with_context(|| format!("draft model {}", path.display()));
+    }
+    Ok(dm)
+}
+
 /// `--spec tree`: speculative generation, printed when done.
 fn run_spec(
     args: &Args,
-    model: &Model,
-    backend: &CpuBackend,
+    engine: &AnyEngine<'_>,
     tokenizer: &Tokenizer,
     prompt_ids: &[u32],
     sampler: &mut Sampler,
@@ -244,7 +204,6 @@ fn run_spec(
     let draft: Draft = args.spec.draft.parse()?;
     let cfg = args.spec.config();
     cfg.validate().context("--spec tree settings")?;
-    let engine = Engine::new(model, backend).context("preparing the weights")?;
     let mut cache = engine.new_cache(
         prompt_ids.len() + args.max_tokens + args.spec.budget + 2,
         KvDtype::F32,
@@ -254,8 +213,8 @@ fn run_spec(
         eog: tokenizer.eog_ids(),
         stop_sequences: Vec::new(),
     };
-    let out = with_proposer(&draft, model, backend, args.spec.draft_window, |p| {
-        spec::generate(&engine, &mut cache, prompt_ids, p, sampler, &cfg, &limits)
+    let out = with_proposer(&draft, engine, args.spec.draft_window, |p| {
+        spec::generate(engine, &mut cache, prompt_ids, p, sampler, &cfg, &limits)
             .context("speculative generation")
     })?;
     let st = &out.stats;
@@ -287,9 +246,10 @@ fn run_spec(
                 "head_rows": st.head_rows,
                 "head_passes": st.head_passes,
             },
-            "backend": backend.name(),
-            "isa": backend.isa().name(),
-            "threads": backend.threads(),
+            "backend": engine.device_name(),
+            "isa": engine.cpu_isa().map(|i| i.name()),
+            "threads": engine.threads(),
+            "tp": engine.tp_degree(),
         });
         writeln!(stdout, "{}", serde_json::to_string_pretty(&j)?)?;
     } else {
@@ -305,7 +265,7 @@ fn run_spec(
 }
 
 pub fn run(args: Args) -> Result<()> {
-    let (model, backend) = args.run.load(&args.model)?;
+    let model = args.engine.load_model(&args.model)?;
     let tokenizer = Tokenizer::from_gguf(model.gguf())
         .with_context(|| format!("reading the tokenizer of {}", args.model.display()))?;
     let prompt_ids = tokenizer
@@ -334,29 +294,19 @@ pub fn run(args: Args) -> Result<()> {
         cfg.seed = s;
     }
     let mut sampler = Sampler::new(cfg);
+    let engine = args.engine.open(&model)?;
     if args.spec.spec == Some(SpecKind::Tree) {
-        return run_spec(
-            &args,
-            &model,
-            &backend,
-            &tokenizer,
-            &prompt_ids,
-            &mut sampler,
-        );
+        return run_spec(&args, &engine, &tokenizer, &prompt_ids, &mut sampler);
     }
 
     let n_ctx = prompt_ids.len() + args.max_tokens;
-    let engine = Engine::new(&model, &backend).context("preparing the weights")?;
-    let tp_model = crate::tp_plan::tp_model(&model, args.tp)?;
-    let tp_backends = crate::tp_plan::tp_backends(args.tp, &args.run)?;
-    let tp_engine = crate::tp_plan::tp_engine(tp_model.as_ref(), &tp_backends)?;
-    let mut session = crate::tp_plan::GenSession::new(&engine, tp_engine.as_ref(), n_ctx)?;
+    let mut session = Session::new(&engine, n_ctx)?;
     let mut stdout = std::io::stdout().lock();
     let mut decoder = tokenizer.stream_decoder();
 
     let t0 = Instant::now();
     let mut logits = session
-        .forward(&prompt_ids)
+        .forward(&prompt_ids, None)
         .context("prefilling the prompt")?;
     let prefill_s = t0.elapsed().as_secs_f64();
 
@@ -383,7 +333,7 @@ pub fn run(args: Args) -> Result<()> {
         }
         let t = Instant::now();
         logits = session
-            .forward(&[id])
+            .forward(&[id], None)
             .with_context(|| format!("decoding at position {}", session.n_past()))?;
         decode_s += t.elapsed().as_secs_f64();
         n_decode_steps += 1;
@@ -404,11 +354,11 @@ pub fn run(args: Args) -> Result<()> {
             "n_generated": generated.len(),
             "prefill_tokens_per_s": prefill_tps,
             "decode_tokens_per_s": decode_tps,
-            "backend": backend.name(),
-            "isa": backend.isa().name(),
-            "threads": backend.threads(),
-            "tp": args.tp,
-            "communicator": tp_engine.as_ref().map_or("none", |e| e.comm_kind()),
+            "backend": engine.device_name(),
+            "isa": engine.cpu_isa().map(|i| i.name()),
+            "threads": engine.threads(),
+            "tp": engine.tp_degree(),
+            "communicator": engine.communicator().unwrap_or("none"),
         });
         writeln!(stdout, "{}", serde_json::to_string_pretty(&out)?)?;
     } else {

@@ -7,6 +7,7 @@ use clap::{Parser, Subcommand};
 #[cfg(feature = "cuda")]
 mod doctor;
 mod dump;
+mod engine_args;
 mod generate;
 mod inspect;
 mod perplexity;

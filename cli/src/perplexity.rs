@@ -11,11 +11,11 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use engine::runtime::{Backend, Engine, Session};
+use engine::exec::{BatchEngine, Session};
 use engine::tokenizer::Tokenizer;
 use serde_json::json;
 
-use crate::generate::RunArgs;
+use crate::engine_args::EngineArgs;
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -29,7 +29,7 @@ pub struct Args {
     #[arg(long, default_value_t = 128)]
     pub ctx: usize,
     #[command(flatten)]
-    pub run: RunArgs,
+    pub engine: EngineArgs,
     /// Print one JSON object instead of the running values
     #[arg(long)]
     pub json: bool,
@@ -83,7 +83,7 @@ pub fn run(args: Args) -> Result<()> {
     }
     let text = std::fs::read_to_string(&args.file)
         .with_context(|| format!("reading {}", args.file.display()))?;
-    let (model, backend) = args.run.load(&args.model)?;
+    let model = args.engine.load_model(&args.model)?;
     let tokenizer = Tokenizer::from_gguf(model.gguf())
         .with_context(|| format!("reading the tokenizer of {}", args.model.display()))?;
     let tokens = tokenizer
@@ -101,7 +101,7 @@ pub fn run(args: Args) -> Result<()> {
     let bos = tokenizer.bos();
     let first = n_ctx / 2;
 
-    let engine = Engine::new(&model, &backend).context("preparing the weights")?;
+    let engine = args.engine.open(&model)?;
     let mut session = Session::new(&engine, n_ctx)?;
     session.set_logits_all(true);
     let mut acc = PplAccumulator::default();
@@ -139,8 +139,8 @@ pub fn run(args: Args) -> Result<()> {
             "n_scored": acc.count,
             "running_ppl": running,
             "tokens_per_s": tps,
-            "backend": backend.name(),
-            "threads": backend.threads(),
+            "backend": engine.device_name(),
+            "threads": engine.threads(),
         });
         println!("{}", serde_json::to_string_pretty(&out)?);
     } else {

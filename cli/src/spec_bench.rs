@@ -10,13 +10,15 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use engine::runtime::{Backend, Batch, Engine, KvDtype};
+use engine::exec::{AnyEngine, BatchEngine};
+use engine::runtime::{Batch, KvDtype, SeqCache};
 use engine::sampling::{Sampler, SamplerConfig};
-use engine::spec::{self, measure_cost, HeadRows, Limits, SpecConfig, SEQ};
+use engine::spec::{self, measure_cost, CostMode, HeadRows, Limits, SpecConfig, SEQ};
 use engine::tokenizer::Tokenizer;
 use serde_json::json;
 
-use crate::generate::{with_proposer, Draft, RunArgs};
+use crate::engine_args::EngineArgs;
+use crate::generate::{with_proposer, Draft};
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -40,7 +42,7 @@ pub struct Args {
     #[arg(long, value_enum, default_value_t = crate::generate::HeadRowsArg::Auto)]
     pub head_rows: crate::generate::HeadRowsArg,
     #[command(flatten)]
-    pub run: RunArgs,
+    pub engine: EngineArgs,
     #[arg(long)]
     pub json: bool,
 }
@@ -90,10 +92,10 @@ fn parse_budgets(s: &str) -> Result<Vec<Budget>> {
 }
 
 pub fn run(args: Args) -> Result<()> {
-    let (model, backend) = args.run.load(&args.model)?;
+    let model = args.engine.load_model(&args.model)?;
     let tokenizer = Tokenizer::from_gguf(model.gguf())
         .with_context(|| format!("reading the tokenizer of {}", args.model.display()))?;
-    let engine = Engine::new(&model, &backend).context("preparing the weights")?;
+    let engine = args.engine.open(&model)?;
     let drafts: Vec<Draft> = args
         .drafts
         .split(',')
@@ -114,10 +116,17 @@ pub fn run(args: Args) -> Result<()> {
         .context("tokenizing the prose prompt")?;
     let mut cache = engine.new_cache(warm.len() + 64, KvDtype::F32)?;
     engine.forward(&mut cache, &Batch::chain(SEQ, 0, &warm, false), None)?;
-    cache.commit();
+    engine.commit(&mut cache);
     let token = warm[warm.len() - 1];
     let n_max = 17.max(max_budget + 1);
-    let cost = measure_cost(&engine, &mut cache, token, n_max, 3)?;
+    let cost = measure_cost(
+        &engine,
+        &mut cache,
+        token,
+        n_max,
+        3,
+        CostMode::LayersThenHead,
+    )?;
     let mut all_rows = Vec::new();
     for n in 1..=n_max {
         let mut best = f64::INFINITY;
@@ -136,8 +145,8 @@ pub fn run(args: Args) -> Result<()> {
         writeln!(
             stdout,
             "cost of a forward of n tokens ÷ one decode step ({} threads, {}; one head row = {:.2} of a step):",
-            backend.threads(),
-            backend.isa().name(),
+            engine.threads(),
+            engine.cpu_isa().map_or("-", |i| i.name()),
             cost.head_row / step
         )?;
         writeln!(stdout, "{:>3}  {:>10}  {:>10}", "n", "layers", "all rows")?;
@@ -217,7 +226,7 @@ pub fn run(args: Args) -> Result<()> {
                         KvDtype::F32,
                     )?;
                     let mut sampler = Sampler::new(SamplerConfig::greedy());
-                    let out = with_proposer(draft, &model, &backend, 2048, |p| {
+                    let out = with_proposer(draft, &engine, 2048, |p| {
                         spec::generate(&engine, &mut cache, &prompt, p, &mut sampler, &cfg, &limits)
                             .context("speculative generation")
                     })?;
@@ -265,8 +274,8 @@ pub fn run(args: Args) -> Result<()> {
     }
     if args.json {
         let j = json!({
-            "threads": backend.threads(),
-            "isa": backend.isa().name(),
+            "threads": engine.threads(),
+            "isa": engine.cpu_isa().map_or("-", |i| i.name()),
             "cost_layers": (1..=n_max).map(|n| cost.secs(n) / step).collect::<Vec<_>>(),
             "cost_all_rows": all_rows.iter().map(|s| s / step).collect::<Vec<_>>(),
             "head_row": cost.head_row / step,
@@ -303,11 +312,7 @@ pub fn run(args: Args) -> Result<()> {
 }
 
 /// Plain greedy decoding: the tokens and the seconds after the first token.
-fn plain<B: Backend>(
-    engine: &Engine<'_, B>,
-    prompt: &[u32],
-    limits: &Limits,
-) -> Result<(Vec<u32>, f64)> {
+fn plain(engine: &AnyEngine<'_>, prompt: &[u32], limits: &Limits) -> Result<(Vec<u32>, f64)> {
     let mut sampler = Sampler::new(SamplerConfig::greedy());
     Ok(spec::generate_plain(engine, prompt, &mut sampler, limits)?)
 }

@@ -1,20 +1,15 @@
 //! `plumbline tp-plan --model FILE --tp N [--topology pcie|nvlink] [--json]`: how N
 //! tensor-parallel ranks would hold the model (every tensor's split, bytes per rank, what is
 //! replicated and why) and the communication per decoded token, modelled for the interconnect.
-//! Also the TP plumbing `generate --tp N` runs on.
+//! The ranks themselves are opened by `engine::exec::open` (`--tp N` on every model command).
 
 use std::io::Write;
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use engine::model::Model;
-use engine::runtime::{CpuBackend, Engine, Logits, Session};
 use engine::tp::cost::{self, Link, TokenComm};
-use engine::tp::{TpEngine, TpModel, TpSession};
-use kernels::cpu::Isa;
 use serde_json::json;
-
-use crate::generate::RunArgs;
 
 /// An interconnect to model.
 #[derive(Clone, Copy, Debug, clap::ValueEnum)]
@@ -190,74 +185,4 @@ pub fn run(args: Args) -> Result<()> {
         )?;
     }
     Ok(())
-}
-
-/// `generate --tp N`: the model cut for N ranks (`None` at TP 1).
-pub fn tp_model(model: &Model, tp: usize) -> Result<Option<TpModel<'_>>> {
-    if tp <= 1 {
-        return Ok(None);
-    }
-    Ok(Some(
-        TpModel::new(model, tp).with_context(|| format!("planning TP {tp}"))?,
-    ))
-}
-
-/// One CPU backend per rank, the threads shared among them.
-pub fn tp_backends(tp: usize, run: &RunArgs) -> Result<Vec<CpuBackend>> {
-    if tp <= 1 {
-        return Ok(Vec::new());
-    }
-    let all = run
-        .threads
-        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
-    (0..tp)
-        .map(|_| {
-            CpuBackend::new(run.isa.map(Isa::from), Some((all / tp).max(1)))
-                .context("starting a rank's CPU backend")
-        })
-        .collect()
-}
-
-/// The ranks prepared, talking over `shm`.
-pub fn tp_engine<'t>(
-    tp: Option<&'t TpModel<'t>>,
-    backends: &'t [CpuBackend],
-) -> Result<Option<TpEngine<'t, CpuBackend>>> {
-    let Some(tp) = tp else { return Ok(None) };
-    Ok(Some(
-        TpEngine::over_shm(tp, backends).context("preparing the ranks")?,
-    ))
-}
-
-/// A generation session on one engine or on the ranks.
-pub enum GenSession<'e, 'm, 't> {
-    One(Session<'e, 'm, CpuBackend>),
-    Tp(TpSession<'e, 't, CpuBackend>),
-}
-
-impl<'e, 'm, 't> GenSession<'e, 'm, 't> {
-    pub fn new(
-        engine: &'e Engine<'m, CpuBackend>,
-        tp: Option<&'e TpEngine<'t, CpuBackend>>,
-        n_ctx: usize,
-    ) -> Result<Self> {
-        Ok(match tp {
-            Some(t) => GenSession::Tp(TpSession::new(t, n_ctx)?),
-            None => GenSession::One(Session::new(engine, n_ctx)?),
-        })
-    }
-
-    pub fn forward(&mut self, tokens: &[u32]) -> Result<Logits> {
-        Ok(match self {
-            GenSession::One(s) => s.forward(tokens, None)?,
-            GenSession::Tp(s) => s.forward(tokens, None)?,
-        })
-    }
-
-    pub fn n_past(&self) -> usize {
-        match self {
-            GenSession::One(s) => s.n_past(),
-            GenSession::Tp(s) => s.n_past(),
-        }
-    }
 }

@@ -10,8 +10,9 @@
 //! the verify copied the 1 MiB logits row twice (into its map, then out to the walk). Rows are
 //! now shared, and the five agree within 2%.
 
+use engine::exec::Engine;
 use engine::model::Model;
-use engine::runtime::{Batch, CpuBackend, Engine, KvDtype};
+use engine::runtime::{Batch, CpuBackend, KvDtype};
 use engine::spec::{self, HeadRows, Tree, SEQ};
 use std::time::Instant;
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -75,7 +76,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                         let mut v = spec::verify::verify(&e, cache, &tree, SEQ, HeadRows::Visited)?;
                         let l = v.logits(&e, 0)?;
                         drop(v);
-                        spec::kv::keep_path(&be, cache, &[0])?;
+                        spec::kv::keep_path(&e, cache, &[0])?;
                         tok = 3 + (l[5] > 0.0) as u32;
                     }
                 }

@@ -6,9 +6,10 @@
 
 use std::time::Instant;
 
+use engine::exec::{Engine, Session};
 use engine::gguf::WeightPages;
 use engine::model::Model;
-use engine::runtime::{CpuBackend, Engine, KvDtype, Session};
+use engine::runtime::{CpuBackend, KvDtype};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut args = std::env::args().skip(1);

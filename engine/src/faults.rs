@@ -1,4 +1,4 @@
-//! Named faults for proving the verification harness (DESIGN.md, "Verification power").
+//! Named faults for proving the verification harness (ARCHITECTURE.md: the fault suite).
 //!
 //! With the `fault-injection` feature, one fault may be active per process, chosen once from the
 //! environment variable `PLUMBLINE_FAULT` (a [`Fault::name`]) or by [`install`] before the first

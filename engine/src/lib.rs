@@ -53,6 +53,7 @@
 //! Start reading at `runtime/backend.rs`, then `model/forward.rs`.
 
 mod capabilities;
+pub mod exec;
 pub mod faults;
 pub mod gguf;
 pub mod model;

@@ -9,10 +9,11 @@ mod model_support;
 
 use std::borrow::Cow;
 
+use engine::exec::Engine;
 use engine::gguf::{Gguf, GgufWriter};
 use engine::model::{Model, ShardError, Weight};
 use engine::runtime::{
-    Backend, Batch, CpuBackend, Engine, KvCache, KvDtype, Logits, RuntimeError, WeightData,
+    Backend, Batch, CpuBackend, KvCache, KvDtype, Logits, RuntimeError, WeightData,
 };
 use kernels::cpu::{vec_dot_type, Isa};
 use kernels::quant::{quantize, GgmlType};
@@ -359,7 +360,7 @@ fn whole(g: &Gguf) -> Weight {
 
 fn product(be: &CpuBackend, g: &Gguf, w: &Weight, x: &[f32], n_tok: usize) -> Vec<f32> {
     let data = WeightData {
-        name: w.name(),
+        name: w.name().to_owned(),
         ty: w.ty,
         k_dim: w.k_dim,
         n_rows: w.n_rows,

@@ -4,8 +4,9 @@
 
 mod model_support;
 
+use engine::exec::{Engine, Session};
 use engine::model::{Model, ModelError};
-use engine::runtime::{CpuBackend, Engine, Logits, Session};
+use engine::runtime::{CpuBackend, Logits};
 use engine::taps::TapRecorder;
 use kernels::cpu::Isa;
 use kernels::quant::GgmlType;

@@ -7,8 +7,9 @@
 
 use std::path::PathBuf;
 
+use engine::exec::{Engine, Session};
 use engine::model::Model;
-use engine::runtime::{CpuBackend, Engine, Session};
+use engine::runtime::CpuBackend;
 use engine::tokenizer::Tokenizer;
 
 const MODEL_FILE: &str = "gemma-3-270m-q4_k_m.gguf";

@@ -11,7 +11,8 @@
 
 mod model_support;
 
-use engine::runtime::{CpuBackend, Engine, KvDtype, Session};
+use engine::exec::{Engine, Session};
+use engine::runtime::{CpuBackend, KvDtype};
 use engine::sampling::{Sampler, SamplerConfig};
 use engine::spec::{
     self, HeadRows, Limits, ModelProposer, NgramProposer, Proposer, SpecConfig, SyntheticProposer,

@@ -4,10 +4,11 @@
 
 mod model_support;
 
+use engine::exec::{Engine, Session};
 use engine::model::Model;
-use engine::runtime::{CpuBackend, Engine, Session};
+use engine::runtime::CpuBackend;
 use engine::taps::TapRecorder;
-use engine::tp::{Communicator, ShmGroup, TpEngine, TpModel, TpSession};
+use engine::tp::{Communicator, ShmGroup, TpEngine, TpModel};
 use kernels::cpu::Isa;
 use kernels::quant::GgmlType;
 use model_support::{load, tokens, Arch, Spec};
@@ -64,7 +65,7 @@ fn check_tp(model: &Model, degree: usize, toks: &[u32], what: &str, bound: f64) 
     let tp = TpModel::new(model, degree).unwrap_or_else(|e| panic!("{what}: {e}"));
     let bes = backends(degree);
     let engine = TpEngine::new(&tp, &bes, comms(degree)).unwrap_or_else(|e| panic!("{e}"));
-    let mut s = TpSession::new(&engine, 64).unwrap_or_else(|e| panic!("{e}"));
+    let mut s = Session::new(&engine, 64).unwrap_or_else(|e| panic!("{e}"));
     s.set_logits_all(true);
     let mut rec = TapRecorder::new();
     let l = s
@@ -88,7 +89,7 @@ fn check_tp(model: &Model, degree: usize, toks: &[u32], what: &str, bound: f64) 
     let e = nmse(&l.data, &ref_logits);
     assert!(e <= bound, "{what} tp{degree}: logits nmse {e:e}");
     // Decode one token at a time through the ranks' caches: the same rows.
-    let mut d = TpSession::new(&engine, 64).unwrap_or_else(|e| panic!("{e}"));
+    let mut d = Session::new(&engine, 64).unwrap_or_else(|e| panic!("{e}"));
     let v = l.n_vocab;
     for (i, &t) in toks.iter().enumerate() {
         let row = d.forward(&[t], None).unwrap_or_else(|e| panic!("{e}"));
@@ -125,7 +126,7 @@ fn taps_and_reductions_are_really_split() {
     assert_eq!(r0, Some(model.config().n_head / 2));
     let bes = backends(2);
     let engine = TpEngine::new(&tp, &bes, comms(2)).unwrap_or_else(|e| panic!("{e}"));
-    let mut s = TpSession::new(&engine, 64).unwrap_or_else(|e| panic!("{e}"));
+    let mut s = Session::new(&engine, 64).unwrap_or_else(|e| panic!("{e}"));
     s.forward(&tokens(5, 1), None)
         .unwrap_or_else(|e| panic!("{e}"));
     // Two all-reduces per layer (attention, FFN), one logits gather per forward.
@@ -155,7 +156,7 @@ fn real_model_tp2_and_tp4_equal_tp1() {
         let tp = TpModel::new(&model, degree).unwrap_or_else(|e| panic!("{e}"));
         let bes = backends(degree);
         let engine = TpEngine::new(&tp, &bes, comms(degree)).unwrap_or_else(|e| panic!("{e}"));
-        let mut s = TpSession::new(&engine, 64).unwrap_or_else(|e| panic!("{e}"));
+        let mut s = Session::new(&engine, 64).unwrap_or_else(|e| panic!("{e}"));
         // Teacher-forced on TP 1's greedy path: at every step TP N's pick must be TP 1's token
         // or lie within NEAR_TIE of it, and all but at most two steps must agree exactly.
         let mut l = s.forward(&toks, None).unwrap_or_else(|e| panic!("{e}"));

@@ -3,8 +3,9 @@
 //! tolerance policy, and the first tap past tolerance named in the failure. `cargo xtask verify`
 //! runs the same comparison as a matrix with gates and reports; this is its test-suite twin.
 
+use engine::exec::{Engine, Session};
 use engine::model::Model;
-use engine::runtime::{CpuBackend, Engine, Session};
+use engine::runtime::CpuBackend;
 use engine::taps::TapRecorder;
 use harness::cases::split_fixture_name;
 use harness::tap::Tap;

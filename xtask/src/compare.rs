@@ -6,8 +6,8 @@
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
+use engine::exec::{self, Device, Session, Topology};
 use engine::model::Model;
-use engine::runtime::{CpuBackend, Engine, Session};
 use engine::taps::TapRecorder;
 use engine::tokenizer::Tokenizer;
 use harness::coherence::logits::argmax;
@@ -70,9 +70,13 @@ pub fn run(args: Args) -> Result<()> {
         })
         .context("reference forward pass")?;
 
-    let backend = CpuBackend::new(Some(isa), args.threads)?;
     let mut recorder = TapRecorder::new();
-    let engine = Engine::new(&model, &backend).context("preparing the weights")?;
+    let engine = exec::open(
+        &model,
+        &Device::cpu_with(Some(isa), args.threads),
+        &Topology::single(),
+    )
+    .context("preparing the weights")?;
     let mut session = Session::new(&engine, tokens.len())?;
     session.set_logits_all(true);
     let logits = session

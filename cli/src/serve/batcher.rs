@@ -29,14 +29,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
+use engine::exec::{AnyEngine, BatchEngine};
 use engine::model::Model;
-use engine::runtime::{
-    Batch, BatchEngine, CpuBackend, Engine, KvDtype, Logits, RuntimeError, SeqId,
-};
+use engine::runtime::{Batch, KvDtype, Logits, SeqId};
 use engine::sampling::{Sampler, SamplerConfig};
+use engine::spec::verify::push_tree;
 use engine::spec::{
-    draft_round, walk, CostCurve, Flow, ModelProposer, NgramProposer, Policy, Proposer,
-    SamplerTarget, SpecConfig, SpecError, Tree, TreeShape,
+    draft_round, measure_cost, walk, CostCurve, CostMode, Flow, ModelProposer, NgramProposer,
+    Policy, Proposer, SamplerTarget, SpecConfig, SpecError, Tree, TreeShape,
 };
 use engine::tokenizer::{StreamDecoder, Tokenizer};
 use tokio::sync::mpsc::UnboundedSender;
@@ -122,9 +122,8 @@ pub struct SpecSetup {
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
     pub model_path: std::path::PathBuf,
-    pub run: crate::generate::RunArgs,
-    /// Tensor-parallel ranks (1: the model whole).
-    pub tp: usize,
+    /// Device, threads, tensor-parallel ranks, weight placement.
+    pub engine: crate::engine_args::EngineArgs,
     pub spec: Option<SpecSetup>,
     pub max_batch: usize,
     /// Positions per sequence (prompt + generated).
@@ -145,31 +144,23 @@ pub fn run(cfg: EngineConfig, state: Arc<AppState>, rx: Receiver<Job>) -> Result
 }
 
 fn load_and_serve(cfg: &EngineConfig, state: &Arc<AppState>, rx: &Receiver<Job>) -> Result<()> {
-    let (model, backend, tokenizer, template) = load(cfg)?;
+    let (model, tokenizer, template) = load(cfg)?;
+    let engine = cfg.engine.open(&model)?;
     let draft_model = match cfg.spec.as_ref().map(|s| &s.draft) {
-        Some(Draft::Model(path)) => {
-            let dm = Model::load(path)
-                .with_context(|| format!("loading draft model {}", path.display()))?;
-            let (dv, tv) = (dm.config().n_vocab, model.config().n_vocab);
-            if dv != tv {
-                return Err(SpecError::DrafterVocab {
-                    draft: dv,
-                    target: tv,
-                })
-                .with_context(|| format!("draft model {}", path.display()));
-            }
-            Some(dm)
-        }
+        Some(Draft::Model(path)) => Some(crate::generate::load_drafter(path, &model)?),
         _ => None,
     };
     let draft_engine = match (cfg.spec.as_ref().map(|s| &s.draft), &draft_model) {
         (Some(Draft::SelfLayers(n)), _) => Some(
-            Engine::with_layers(&model, &backend, *n)
+            engine
+                .self_draft(*n)
                 .with_context(|| format!("self-draft of the first {n} layers"))?,
         ),
-        (Some(Draft::Model(_)), Some(dm)) => {
-            Some(Engine::new(dm, &backend).context("preparing the draft model")?)
-        }
+        (Some(Draft::Model(_)), Some(dm)) => Some(
+            engine
+                .on_same_device(dm)
+                .context("preparing the draft model")?,
+        ),
         _ => None,
     };
     let loaded = Loaded {
@@ -177,16 +168,7 @@ fn load_and_serve(cfg: &EngineConfig, state: &Arc<AppState>, rx: &Receiver<Job>)
         template: Some(template),
         draft: draft_engine.as_ref(),
     };
-    if cfg.tp > 1 {
-        let tp_model = crate::tp_plan::tp_model(&model, cfg.tp)?;
-        let backends = crate::tp_plan::tp_backends(cfg.tp, &cfg.run)?;
-        let engine = crate::tp_plan::tp_engine(tp_model.as_ref(), &backends)?
-            .context("no ranks were prepared")?;
-        serve_on(&engine, loaded, cfg, state, rx)
-    } else {
-        let engine = Engine::new(&model, &backend).context("preparing the weights")?;
-        serve_on(&engine, loaded, cfg, state, rx)
-    }
+    serve_on(&engine, loaded, cfg, state, rx)
 }
 
 /// What the loop needs besides the target engine.
@@ -194,7 +176,7 @@ struct Loaded<'d, 'm> {
     tokenizer: Arc<Tokenizer>,
     template: Option<ChatTemplate>,
     /// The drafter of `--draft self:N` or `model:FILE`.
-    draft: Option<&'d Engine<'m, CpuBackend>>,
+    draft: Option<&'d AnyEngine<'m>>,
 }
 
 fn serve_on<E: BatchEngine>(
@@ -215,8 +197,16 @@ fn serve_on<E: BatchEngine>(
         .context("creating the KV cache")?;
     let cost = match &cfg.spec {
         Some(s) if s.cfg.adaptive && s.cfg.shape.budget > 0 => Some(
-            measure_cost(engine, &mut cache, s.cfg.shape.budget + 1)
-                .context("measuring the cost of verifying n tokens")?,
+            // Every tree node's head row is computed in the batch's one forward.
+            measure_cost(
+                engine,
+                &mut cache,
+                0,
+                s.cfg.shape.budget + 1,
+                2,
+                CostMode::WholeForward,
+            )
+            .context("measuring the cost of verifying n tokens")?,
         ),
         _ => None,
     };
@@ -258,61 +248,10 @@ fn serve_on<E: BatchEngine>(
     Ok(())
 }
 
-/// The cost of one verify forward of `n` tokens (every row through the head, as the loop runs
-/// it) for `n = 1 ..= max_n`: best of two at 1, 2, 3, 5, 9, … and `max_n`, linear between. Every
-/// measurement is dropped from `cache` (which must be empty).
-fn measure_cost<E: BatchEngine>(
-    engine: &E,
-    cache: &mut E::Cache,
-    max_n: usize,
-) -> Result<CostCurve, RuntimeError> {
-    let mut points = vec![1usize];
-    while let Some(&last) = points.last() {
-        let next = if last < 3 { last + 1 } else { 2 * last - 1 };
-        if next >= max_n {
-            break;
-        }
-        points.push(next);
-    }
-    if max_n > 1 {
-        points.push(max_n);
-    }
-    let token = 0u32;
-    let mut measured = Vec::with_capacity(points.len());
-    for &n in &points {
-        let mut best = f64::INFINITY;
-        for _ in 0..2 {
-            let batch = Batch::chain(0, 0, &vec![token; n], true);
-            let t = Instant::now();
-            engine.forward_batch(cache, &batch)?;
-            best = best.min(t.elapsed().as_secs_f64());
-            engine.compact(cache, &[])?;
-        }
-        measured.push(best);
-    }
-    let secs = (1..=max_n)
-        .map(|n| {
-            let i = points.partition_point(|&p| p < n);
-            if points[i] == n {
-                measured[i]
-            } else {
-                let (p0, p1) = (points[i - 1], points[i]);
-                let f = (n - p0) as f64 / (p1 - p0) as f64;
-                measured[i - 1] + f * (measured[i] - measured[i - 1])
-            }
-        })
-        .collect();
-    // The head rows are inside every measurement.
-    Ok(CostCurve {
-        secs,
-        head_row: 0.0,
-    })
-}
-
-type LoadedModel = (Model, CpuBackend, Tokenizer, ChatTemplate);
+type LoadedModel = (Model, Tokenizer, ChatTemplate);
 
 fn load(cfg: &EngineConfig) -> Result<LoadedModel> {
-    let (model, backend) = cfg.run.load(&cfg.model_path)?;
+    let model = cfg.engine.load_model(&cfg.model_path)?;
     let tokenizer = Tokenizer::from_gguf(model.gguf())
         .with_context(|| format!("reading the tokenizer of {}", cfg.model_path.display()))?;
     let gguf_template = model
@@ -335,7 +274,7 @@ fn load(cfg: &EngineConfig) -> Result<LoadedModel> {
     )
     .map_err(anyhow::Error::msg)
     .with_context(|| format!("the chat template of {}", cfg.model_path.display()))?;
-    Ok((model, backend, tokenizer, template))
+    Ok((model, tokenizer, template))
 }
 
 /// What the loop reads while a sequence emits a token.
@@ -441,7 +380,7 @@ struct Batcher<'a, 'm, E: BatchEngine> {
     slots: Vec<Option<Active<'a>>>,
     state: &'a AppState,
     cfg: &'a EngineConfig,
-    draft: Option<&'a Engine<'m, CpuBackend>>,
+    draft: Option<&'a AnyEngine<'m>>,
     /// The adaptive policy's measured verify cost.
     cost: Option<CostCurve>,
 }
@@ -631,17 +570,7 @@ impl<'a, 'm, E: BatchEngine> Batcher<'a, 'm, E> {
                     }
                     Some(s) => match draft(s, self.cfg) {
                         Ok(tree) => {
-                            let base = batch.len();
-                            for n in 0..tree.len() {
-                                let parent = tree.parent(n).map(|p| base + p);
-                                batch.push_node(
-                                    tree.token(n),
-                                    a.pos + tree.depth(n),
-                                    a.seq,
-                                    parent,
-                                    true,
-                                );
-                            }
+                            let base = push_tree(&mut batch, &tree, a.seq, a.pos, true);
                             s.tree = Some((tree, base));
                         }
                         Err(e) => {

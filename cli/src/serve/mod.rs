@@ -35,7 +35,8 @@ use anyhow::{anyhow, bail, Context, Result};
 use engine::sampling::SamplerConfig;
 use engine::tokenizer::Tokenizer;
 
-use crate::generate::{Draft, RunArgs, SpecArgs, SpecKind};
+use crate::engine_args::EngineArgs;
+use crate::generate::{Draft, SpecArgs, SpecKind};
 use batcher::{EngineConfig, Event, Job, SpecSetup};
 use chat::ChatTemplate;
 use error::ApiError;
@@ -55,10 +56,7 @@ pub struct Args {
     #[arg(long, default_value_t = 8080)]
     pub port: u16,
     #[command(flatten)]
-    pub run: RunArgs,
-    /// Tensor-parallel ranks (threads on this host, `shm`); 1 runs the model whole
-    #[arg(long, default_value_t = 1)]
-    pub tp: usize,
+    pub engine: EngineArgs,
     #[command(flatten)]
     pub spec: SpecArgs,
     /// Most sequences decoded together in one batch
@@ -184,9 +182,8 @@ pub fn run(args: Args) -> Result<()> {
             args.ctx
         );
     }
-    if args.tp == 0 {
-        bail!("--tp must be at least 1, found 0");
-    }
+    args.engine.topology()?;
+    args.engine.device()?;
     if args.spec.spec.is_some() && args.spec.head_rows != crate::generate::HeadRowsArg::Auto {
         bail!(
             "--head-rows does not apply to the server: it computes every tree node's head row \
@@ -246,8 +243,7 @@ async fn serve(args: Args, hooks: Hooks) -> Result<()> {
 
     let engine_cfg = EngineConfig {
         model_path: args.model.clone(),
-        run: args.run.clone(),
-        tp: args.tp,
+        engine: args.engine.clone(),
         spec: spec_setup(&args.spec)?,
         max_batch: args.max_batch,
         ctx: args.ctx,

@@ -3,6 +3,7 @@
 use crate::gguf::Gguf;
 
 use super::ModelError;
+pub use crate::runtime::params::{Activation, Gating, MoeConfig, RopeConfig, RopeStyle, Yarn};
 
 /// The architecture families the engine runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -15,49 +16,6 @@ pub enum Architecture {
     Deepseek2,
 }
 
-/// How RoPE pairs the dimensions of a head.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum RopeStyle {
-    /// Adjacent pairs `(2i, 2i+1)` (ggml's `LLAMA_ROPE_TYPE_NORM`).
-    Normal,
-    /// Half-split pairs `(i, i + n_rot/2)` (ggml's `LLAMA_ROPE_TYPE_NEOX`).
-    Neox,
-}
-
-/// YaRN context extension (`rope.scaling.type = yarn`), ggml's parameters.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Yarn {
-    /// `rope.scaling.original_context_length`.
-    pub n_ctx_orig: usize,
-    /// Extrapolation mix; 1 for YaRN (llama.cpp's default when the scaling type is yarn).
-    pub ext_factor: f32,
-    pub beta_fast: f32,
-    pub beta_slow: f32,
-    /// Multiplies the rotation on top of YaRN's own `1 + 0.1·ln(1/freq_scale)` (llama.cpp's
-    /// `attn_factor`; DeepSeek-V2 passes the inverse so that the rotation keeps magnitude 1).
-    pub attn_factor: f32,
-}
-
-/// The RoPE of one layer.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct RopeConfig {
-    pub style: RopeStyle,
-    /// Rotated dimensions per head (the first `n_rot` of a head, or all of MLA's rope part).
-    pub n_rot: usize,
-    pub freq_base: f32,
-    /// `1 / rope.scaling.factor` for linear and YaRN scaling, 1 otherwise.
-    pub freq_scale: f32,
-    pub yarn: Option<Yarn>,
-}
-
-/// Gated FFN activation.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Activation {
-    Silu,
-    /// GELU, tanh approximation (ggml's `ggml_gelu`).
-    GeluTanh,
-}
-
 /// MLA dimensions (DeepSeek-V2).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MlaConfig {
@@ -67,27 +25,6 @@ pub struct MlaConfig {
     pub qk_nope: usize,
     pub qk_rope: usize,
     pub v_head_dim: usize,
-}
-
-/// Router gating function (`expert_gating_func`: 1 softmax, 2 sigmoid).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Gating {
-    Softmax,
-    Sigmoid,
-}
-
-/// Mixture-of-experts parameters.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct MoeConfig {
-    pub n_expert: usize,
-    pub n_expert_used: usize,
-    pub n_expert_shared: usize,
-    pub n_ff_exp: usize,
-    /// The first `n_dense_lead` layers have a dense FFN.
-    pub n_dense_lead: usize,
-    pub weights_scale: f32,
-    pub weights_norm: bool,
-    pub gating: Gating,
 }
 
 /// Everything the forward pass needs to know about a model besides its weights.
@@ -168,6 +105,23 @@ impl Keys<'_> {
 const MAX_DIM: usize = 1 << 24;
 
 impl ModelConfig {
+    /// The KV cache's shape for the first `n_layers` layers: `n_head_kv × head_dim` per row each,
+    /// or for MLA the latent row `(kv_lora_rank + qk_rope, 0)`.
+    pub fn kv_layout(&self, n_layers: usize) -> crate::runtime::KvLayout {
+        let (k_width, v_width) = match self.mla {
+            Some(m) => (m.kv_lora_rank + m.qk_rope, 0),
+            None => (
+                self.n_head_kv * self.head_dim_k,
+                self.n_head_kv * self.head_dim_v,
+            ),
+        };
+        crate::runtime::KvLayout {
+            n_layers,
+            k_width,
+            v_width,
+        }
+    }
+
     /// Read the configuration of the model in `gguf`. Checks every size for consistency; tensor
     /// shapes are checked against it when the weights are loaded.
     pub fn from_gguf(gguf: &Gguf) -> Result<ModelConfig, ModelError> {

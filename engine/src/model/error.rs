@@ -4,6 +4,7 @@ use kernels::quant::{GgmlType, QuantError};
 use thiserror::Error;
 
 use crate::gguf::GgufError;
+use crate::runtime::RuntimeError;
 
 /// Why a GGUF file could not be turned into a model. Every variant names the key or tensor.
 #[derive(Debug, Error)]
@@ -61,5 +62,13 @@ impl ModelError {
             expected: expected.into(),
             found: found.to_string(),
         }
+    }
+}
+
+/// A model error met while running ops (a weight that cannot be prepared or read) travels
+/// through the runtime as [`RuntimeError::Layer`]: the runtime never names the model's types.
+impl From<ModelError> for RuntimeError {
+    fn from(e: ModelError) -> RuntimeError {
+        RuntimeError::Layer(Box::new(e))
     }
 }

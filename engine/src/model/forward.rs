@@ -14,9 +14,47 @@ use crate::runtime::{
     AttnMeta, Backend, Batch, KvCache, KvSource, Mask, QueryMeta, RuntimeError, Strided,
 };
 use crate::taps::{blk, Taps};
-use crate::tp::{RankOps, ReducePoint};
 
 use super::{Attention, Ffn, Layer, Model, ModelConfig, Weight};
+
+/// Where the forward pass meets the other ranks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReducePoint {
+    /// After the row-parallel attention output projection, before its post-norm.
+    Attn,
+    /// After a dense FFN's row-parallel down projection, before its post-norm.
+    Ffn,
+    /// After an MoE FFN (routed experts and the shared expert), before its post-norm.
+    Moe,
+}
+
+/// What one rank does at the forward pass's communication points.
+/// A tensor-parallel rank implements it (`crate::tp`); the forward pass only calls it, so the
+/// model layer never depends on tensor parallelism.
+pub trait RankOps<B: Backend> {
+    /// All-reduce `x` if the plan split the block that ends at `point`.
+    fn reduce(
+        &self,
+        be: &B,
+        x: &mut B::Buf,
+        il: usize,
+        point: ReducePoint,
+    ) -> Result<(), RuntimeError>;
+    /// Vocabulary rows this rank's head computes.
+    fn vocab_rows(&self) -> usize;
+    /// The full logits `[n_rows, n_vocab]` from this rank's `[n_rows, vocab_rows]`.
+    fn gather_logits(&self, be: &B, local: B::Buf, n_rows: usize) -> Result<B::Buf, RuntimeError>;
+    /// Expert parallel: route slots to this rank's experts (ids local to its stack) and weight
+    /// the other ranks' slots zero.
+    fn route_local(
+        &self,
+        be: &B,
+        ids: &mut B::Ids,
+        wts: &mut B::Buf,
+        n: usize,
+        k: usize,
+    ) -> Result<(), RuntimeError>;
+}
 
 /// A gated FFN's prepared weights.
 pub(crate) struct DenseW<'w, B: Backend + 'w> {
@@ -101,14 +139,14 @@ impl<'w, B: Backend + 'w> Weights<'w, B> {
     /// weights, or `m`'s own), with `m`'s embedding table and output norm.
     pub(crate) fn prepare_parts(
         m: &'w Model,
-        model_layers: &'w [Layer],
-        output: &'w Weight,
+        model_layers: &[Layer],
+        output: &Weight,
         be: &B,
     ) -> Result<Weights<'w, B>, RuntimeError> {
-        let mat = |w: &'w Weight| be.prepare(m.weight_data(w));
+        let mat = |w: &Weight| be.prepare(m.weight_data(w));
         let vec = |v: &[f32]| be.upload(v);
         let opt = |v: &Option<Vec<f32>>| v.as_deref().map(vec).transpose();
-        let dense = |f: &'w super::DenseFfn| -> Result<DenseW<'w, B>, RuntimeError> {
+        let dense = |f: &super::DenseFfn| -> Result<DenseW<'w, B>, RuntimeError> {
             Ok(DenseW {
                 gate: mat(&f.gate)?,
                 up: mat(&f.up)?,

@@ -192,9 +192,9 @@ impl Model {
 
     /// A weight as a backend's [`prepare`](crate::runtime::Backend::prepare) takes it: its
     /// view's bytes cut out of the tensor (borrowed from the map where they are contiguous).
-    pub fn weight_data<'a>(&'a self, w: &'a Weight) -> WeightData<'a> {
+    pub fn weight_data<'a>(&'a self, w: &Weight) -> WeightData<'a> {
         WeightData {
-            name: w.name(),
+            name: w.name().to_owned(),
             ty: w.ty,
             k_dim: w.k_dim,
             n_rows: w.n_rows,

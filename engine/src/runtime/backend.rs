@@ -20,7 +20,7 @@ use std::borrow::Cow;
 
 use kernels::quant::GgmlType;
 
-use crate::model::{Activation, MoeConfig, RopeConfig};
+use super::params::{Activation, MoeConfig, RopeConfig};
 
 use super::RuntimeError;
 
@@ -29,7 +29,7 @@ use super::RuntimeError;
 /// been cut out of the tensor; see [`crate::model::ShardView`]).
 #[derive(Clone, Debug)]
 pub struct WeightData<'w> {
-    pub name: &'w str,
+    pub name: String,
     pub ty: GgmlType,
     pub k_dim: usize,
     pub n_rows: usize,

@@ -13,7 +13,7 @@ use super::RuntimeError;
 ///   uses the ancestor mask.
 ///
 /// A token's position is its parent's plus one; a token without a parent in the batch sits at
-/// the sequence's next position in the cache. [`crate::runtime::Engine::forward`] checks both.
+/// the sequence's next position in the cache. [`crate::exec::Engine::forward`] checks both.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Batch {
     pub(crate) tokens: Vec<u32>,
@@ -65,6 +65,14 @@ impl Batch {
 
     pub fn parents(&self) -> &[Option<u32>] {
         &self.parent
+    }
+
+    /// The same batch with logits for every token (an engine without a separate head pass
+    /// answers `forward_hidden` with every row's logits).
+    pub fn with_all_logits(&self) -> Batch {
+        let mut b = self.clone();
+        b.logits.iter_mut().for_each(|l| *l = true);
+        b
     }
 
     /// Batch indices of the tokens whose logits are returned, in batch order.

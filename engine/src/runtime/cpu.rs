@@ -13,8 +13,8 @@ use kernels::cpu::{vector, CpuKernels, Isa};
 use kernels::quant::{dequantize, GgmlType};
 use rayon::prelude::*;
 
+use super::params::{yarn_corr_dims, Activation, Gating, MoeConfig, RopeConfig, RopeStyle};
 use crate::faults::{self, Fault};
-use crate::model::{Activation, Gating, MoeConfig, RopeConfig, RopeStyle};
 
 use super::backend::{AttnMeta, Backend, KvDtype, KvSource, Strided, WeightData};
 use super::error::check_len;
@@ -84,23 +84,6 @@ fn rms_norm_row(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
 fn yarn_ramp(low: f32, high: f32, i0: usize) -> f32 {
     let y = ((i0 / 2) as f32 - low) / (high - low).max(0.001);
     1.0 - y.clamp(0.0, 1.0)
-}
-
-/// ggml's `ggml_rope_yarn_corr_dims`.
-pub(crate) fn yarn_corr_dims(
-    n_dims: usize,
-    n_ctx_orig: usize,
-    base: f32,
-    beta_fast: f32,
-    beta_slow: f32,
-) -> [f32; 2] {
-    let corr = |n_rot: f32| {
-        n_dims as f32 * (n_ctx_orig as f32 / (n_rot * 2.0 * std::f32::consts::PI)).ln()
-            / (2.0 * base.ln())
-    };
-    let start = corr(beta_fast).floor();
-    let end = corr(beta_slow).ceil();
-    [start.max(0.0), end.min(n_dims as f32 - 1.0)]
 }
 
 /// The `(cos, sin)` of every pair of one position, ggml's `ggml_rope_cache_init`.

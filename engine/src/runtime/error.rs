@@ -3,8 +3,6 @@
 use kernels::cpu::KernelError;
 use thiserror::Error;
 
-use crate::model::ModelError;
-
 #[derive(Debug, Error)]
 pub enum RuntimeError {
     #[error("matmul {name}: {source}")]
@@ -62,8 +60,11 @@ pub enum RuntimeError {
     )]
     BadCompact { index: usize, n_pending: usize },
 
+    /// An error of a layer above the runtime (the model's weights, a tokenizer) met while
+    /// running ops. The runtime knows nothing of those layers; each converts its own errors into
+    /// this variant (the `From` impls live beside them), so errors wrap upward.
     #[error(transparent)]
-    Model(#[from] ModelError),
+    Layer(Box<dyn std::error::Error + Send + Sync>),
 
     #[error("{backend}: {op} is not implemented by this backend")]
     Unsupported { backend: String, op: &'static str },
@@ -71,8 +72,9 @@ pub enum RuntimeError {
     #[error("tensor-parallel rank {rank}: {source}")]
     Comm {
         rank: usize,
+        /// The communicator's error (`crate::tp::CommError`).
         #[source]
-        source: crate::tp::CommError,
+        source: Box<dyn std::error::Error + Send + Sync>,
     },
 
     #[cfg(feature = "cuda")]

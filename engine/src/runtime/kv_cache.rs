@@ -12,10 +12,91 @@
 //! qk_rope` values per cell, no values row) that DeepSeek-V3/Kimi K2 serve from; attention
 //! expands it with `attn_kv_b`.
 
-use crate::model::ModelConfig;
-
 use super::backend::{Backend, CellMeta, KvDtype, SeqId};
 use super::RuntimeError;
+
+/// The shape of a cache: its layers and the row widths of a cell (the model layer computes it,
+/// `crate::model::ModelConfig::kv_layout`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvLayout {
+    pub n_layers: usize,
+    /// Values per key row of a cell (`n_head_kv × head_dim_k`, or MLA's latent row).
+    pub k_width: usize,
+    /// Values per value row (0 for MLA, whose values are expanded from the latent row).
+    pub v_width: usize,
+}
+
+/// What a scheduler, a session or a drafter reads and changes of a cache's cells, whatever the
+/// cache holds them in: one [`KvCache`], one per tensor-parallel rank (all with the same cells),
+/// or either on any device. Compaction moves rows, so it needs the backend: it is the engine's
+/// (`crate::exec::BatchEngine::compact`).
+pub trait SeqCache {
+    /// Every cell's sequence, position and state.
+    fn cells(&self) -> &[CellMeta];
+    /// Cells written by the last forward and not yet committed, in batch order.
+    fn pending(&self) -> &[u32];
+    /// The position after `seq`'s last cell (0 if it has none).
+    fn next_pos(&self, seq: SeqId) -> u32;
+    /// Committed cells of `seq`.
+    fn seq_len(&self, seq: SeqId) -> usize;
+    fn capacity(&self) -> usize;
+    fn used(&self) -> usize;
+    fn dtype(&self) -> KvDtype;
+    /// Keep every pending cell.
+    fn commit(&mut self);
+    /// Drop every pending cell.
+    fn rollback(&mut self);
+    /// Forget `seq`'s positions `from..`.
+    fn truncate(&mut self, seq: SeqId, from: u32);
+    /// Forget `seq`'s positions below `before` (a sliding draft window).
+    fn forget_before(&mut self, seq: SeqId, before: u32);
+    /// Forget every committed cell of `seq`.
+    fn remove_seq(&mut self, seq: SeqId);
+    /// Forget everything.
+    fn clear(&mut self);
+}
+
+impl<B: Backend> SeqCache for KvCache<B> {
+    fn cells(&self) -> &[CellMeta] {
+        KvCache::cells(self)
+    }
+    fn pending(&self) -> &[u32] {
+        KvCache::pending(self)
+    }
+    fn next_pos(&self, seq: SeqId) -> u32 {
+        KvCache::next_pos(self, seq)
+    }
+    fn seq_len(&self, seq: SeqId) -> usize {
+        KvCache::seq_len(self, seq)
+    }
+    fn capacity(&self) -> usize {
+        KvCache::capacity(self)
+    }
+    fn used(&self) -> usize {
+        KvCache::used(self)
+    }
+    fn dtype(&self) -> KvDtype {
+        KvCache::dtype(self)
+    }
+    fn commit(&mut self) {
+        KvCache::commit(self)
+    }
+    fn rollback(&mut self) {
+        KvCache::rollback(self)
+    }
+    fn truncate(&mut self, seq: SeqId, from: u32) {
+        KvCache::truncate(self, seq, from)
+    }
+    fn forget_before(&mut self, seq: SeqId, before: u32) {
+        KvCache::forget_before(self, seq, before)
+    }
+    fn remove_seq(&mut self, seq: SeqId) {
+        KvCache::remove_seq(self, seq)
+    }
+    fn clear(&mut self) {
+        KvCache::clear(self)
+    }
+}
 
 /// Keys and values of every cached token, for every layer.
 pub struct KvCache<B: Backend> {
@@ -42,27 +123,15 @@ impl<B: Backend> std::fmt::Debug for KvCache<B> {
 }
 
 impl<B: Backend> KvCache<B> {
-    /// An empty cache of at most `capacity` cells, shaped for `config`.
+    /// An empty cache of at most `capacity` cells, shaped by `layout`.
     pub fn new(
         be: &B,
-        config: &ModelConfig,
+        layout: KvLayout,
         capacity: usize,
         dtype: KvDtype,
     ) -> Result<KvCache<B>, RuntimeError> {
-        Self::with_layers(be, config, config.n_layer, capacity, dtype)
-    }
-
-    /// [`KvCache::new`] for the first `n_layers` layers only (a self-draft model).
-    pub fn with_layers(
-        be: &B,
-        config: &ModelConfig,
-        n_layers: usize,
-        capacity: usize,
-        dtype: KvDtype,
-    ) -> Result<KvCache<B>, RuntimeError> {
-        let (kw, vw) = Self::widths_for(config);
-        let layers = (0..n_layers)
-            .map(|_| be.kv_new(kw, vw, dtype))
+        let layers = (0..layout.n_layers)
+            .map(|_| be.kv_new(layout.k_width, layout.v_width, dtype))
             .collect::<Result<_, _>>()?;
         Ok(KvCache {
             layers,
@@ -72,18 +141,6 @@ impl<B: Backend> KvCache<B> {
             capacity,
             dtype,
         })
-    }
-
-    /// Row widths `(k, v)` of a cell: `n_head_kv × head_dim` each, or for MLA the latent
-    /// `(kv_lora_rank + qk_rope, 0)`.
-    pub fn widths_for(config: &ModelConfig) -> (usize, usize) {
-        match config.mla {
-            Some(m) => (m.kv_lora_rank + m.qk_rope, 0),
-            None => (
-                config.n_head_kv * config.head_dim_k,
-                config.n_head_kv * config.head_dim_v,
-            ),
-        }
     }
 
     pub fn dtype(&self) -> KvDtype {

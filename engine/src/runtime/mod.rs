@@ -16,23 +16,22 @@
 
 mod backend;
 mod batch;
-mod batch_engine;
 mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
-mod engine;
 mod error;
 mod kv_cache;
+mod logits;
+pub mod params;
 pub mod sampling;
-mod session;
+mod shared;
 
 pub use backend::{
     AttnMeta, Backend, CellMeta, KvDtype, KvSource, Mask, QueryMeta, SeqId, Strided, WeightData,
 };
 pub use batch::Batch;
-pub use batch_engine::BatchEngine;
 pub use cpu::{CpuBackend, CpuKv, CpuMat};
-pub use engine::{Engine, Hidden, Logits};
 pub use error::RuntimeError;
-pub use kv_cache::KvCache;
-pub use session::Session;
+pub use kv_cache::{KvCache, KvLayout, SeqCache};
+pub use logits::Logits;
+pub use shared::Shared;

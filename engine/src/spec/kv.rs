@@ -4,16 +4,17 @@
 //! window instead ([`crate::runtime::KvCache::forget_before`], used by
 //! [`super::proposer::ModelProposer`]).
 
+use crate::exec::BatchEngine;
 use crate::faults::{self, Fault};
-use crate::runtime::{Backend, KvCache};
+use crate::runtime::SeqCache;
 
 use super::SpecError;
 
 /// Keep the pending cells of the tree nodes `path` (a root-to-node path, batch indices of the
 /// verify forward) and drop the rest.
-pub fn keep_path<B: Backend>(
-    be: &B,
-    cache: &mut KvCache<B>,
+pub fn keep_path<E: BatchEngine + ?Sized>(
+    engine: &E,
+    cache: &mut E::Cache,
     path: &[usize],
 ) -> Result<(), SpecError> {
     let mut keep = path.to_vec();
@@ -26,6 +27,6 @@ pub fn keep_path<B: Backend>(
             keep[at] = other;
         }
     }
-    cache.compact(be, &keep)?;
+    engine.compact(cache, &keep)?;
     Ok(())
 }

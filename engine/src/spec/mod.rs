@@ -30,7 +30,8 @@ pub mod verify;
 
 use std::time::Instant;
 
-use crate::runtime::{Backend, Batch, Engine, KvCache, RuntimeError, Session};
+use crate::exec::{BatchEngine, Session};
+use crate::runtime::{Batch, RuntimeError, SeqCache};
 use crate::sampling::Sampler;
 
 pub use acceptance::{walk, Flow, SamplerTarget, Target, Walk};
@@ -217,15 +218,27 @@ pub struct SpecOutput {
     pub policy: Option<Policy>,
 }
 
-/// Measure the target's layers over `n` tokens for `n = 1..=max_n` (1, 2, 3, 5, 9, … measured,
-/// best of `reps`; linear between) and one head row, on a cache holding the context; every
-/// measurement is rolled back.
-pub fn measure_cost<'m, B: Backend + 'm>(
-    engine: &Engine<'m, B>,
-    cache: &mut KvCache<B>,
+/// What a cost measurement times.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CostMode {
+    /// The layers over `n` tokens, and one head row on its own (`CostCurve::head_row`): for a
+    /// verify that computes only the head rows its walk visits (`generate`).
+    LayersThenHead,
+    /// The whole forward of `n` tokens with every row through the head, as a batch that asks
+    /// for every node's logits runs it (the server); `head_row` is 0.
+    WholeForward,
+}
+
+/// Measure the target over `n` tokens for `n = 1..=max_n` (1, 2, 3, 5, 9, … measured, best of
+/// `reps`; linear between) on a cache holding the context, as `mode` says; every measurement is
+/// rolled back.
+pub fn measure_cost<E: BatchEngine + ?Sized>(
+    engine: &E,
+    cache: &mut E::Cache,
     token: u32,
     max_n: usize,
     reps: usize,
+    mode: CostMode,
 ) -> Result<CostCurve, SpecError> {
     let start = cache.next_pos(SEQ);
     let max_n = max_n.max(1);
@@ -245,23 +258,34 @@ pub fn measure_cost<'m, B: Backend + 'm>(
     for &n in &points {
         let mut best = f64::INFINITY;
         for _ in 0..reps.max(1) {
-            let batch = Batch::chain(SEQ, start, &vec![token; n], false);
             let t = Instant::now();
-            engine.forward_hidden(cache, &batch)?;
+            match mode {
+                CostMode::LayersThenHead => {
+                    let batch = Batch::chain(SEQ, start, &vec![token; n], false);
+                    engine.forward_hidden(cache, &batch)?;
+                }
+                CostMode::WholeForward => {
+                    let batch = Batch::chain(SEQ, start, &vec![token; n], true);
+                    engine.forward(cache, &batch, None)?;
+                }
+            }
             best = best.min(t.elapsed().as_secs_f64());
             cache.rollback();
         }
         measured.push(best);
     }
-    // One head row on its own.
-    let batch = Batch::chain(SEQ, start, &[token], false);
-    let hidden = engine.forward_hidden(cache, &batch)?;
-    cache.rollback();
-    let mut head_row = f64::INFINITY;
-    for _ in 0..reps.max(1) {
-        let t = Instant::now();
-        engine.head(&hidden, &[0])?;
-        head_row = head_row.min(t.elapsed().as_secs_f64());
+    let mut head_row = 0.0;
+    if mode == CostMode::LayersThenHead {
+        // One head row on its own.
+        let batch = Batch::chain(SEQ, start, &[token], false);
+        let hidden = engine.forward_hidden(cache, &batch)?;
+        cache.rollback();
+        head_row = f64::INFINITY;
+        for _ in 0..reps.max(1) {
+            let t = Instant::now();
+            engine.head(&hidden, &[0])?;
+            head_row = head_row.min(t.elapsed().as_secs_f64());
+        }
     }
     let mut secs = Vec::with_capacity(max_n);
     for n in 1..=max_n {
@@ -285,9 +309,9 @@ pub fn measure_cost<'m, B: Backend + 'm>(
 /// does (measured on Gemma 3 270M, 2 threads: 8 rows 1.18 decode steps, one row 0.61) — so that
 /// computing a chain the walk may leave early still pays; [`HeadRows::Visited`] where the cost
 /// grows with the rows. Either plan gives the same tokens.
-pub fn choose_head_rows<'m, B: Backend + 'm>(
-    engine: &Engine<'m, B>,
-    cache: &mut KvCache<B>,
+pub fn choose_head_rows<E: BatchEngine + ?Sized>(
+    engine: &E,
+    cache: &mut E::Cache,
     token: u32,
     k: usize,
 ) -> Result<(HeadRows, f64), SpecError> {
@@ -316,8 +340,8 @@ pub fn choose_head_rows<'m, B: Backend + 'm>(
 /// Plain decoding under the same stop rules as [`generate`]: prefill, then one token per
 /// forward. It is the baseline a speculative run must equal token for token and beat in time.
 /// Returns the tokens and the seconds spent after the prefill.
-pub fn generate_plain<'m, B: Backend + 'm>(
-    engine: &Engine<'m, B>,
+pub fn generate_plain<E: BatchEngine + ?Sized>(
+    engine: &E,
     prompt: &[u32],
     sampler: &mut Sampler,
     limits: &Limits,
@@ -385,9 +409,9 @@ pub fn draft_round(
 /// Generate after `prompt` with tree speculation: prefill, draw the first token, then rounds of
 /// draft → verify → walk → keep the accepted path, until `limits` stop it. `cache` must be empty
 /// and hold at least `prompt.len() + max_tokens + budget + 1` cells.
-pub fn generate<'m, B: Backend + 'm>(
-    engine: &Engine<'m, B>,
-    cache: &mut KvCache<B>,
+pub fn generate<E: BatchEngine + ?Sized>(
+    engine: &E,
+    cache: &mut E::Cache,
     prompt: &[u32],
     proposer: &mut dyn Proposer,
     sampler: &mut Sampler,
@@ -398,7 +422,6 @@ pub fn generate<'m, B: Backend + 'm>(
     if prompt.is_empty() {
         return Err(SpecError::EmptyContext);
     }
-    let be = engine.backend();
     let mut stats = SpecStats::default();
     let mut trace = Vec::new();
     let mut out: Vec<u32> = Vec::new();
@@ -414,7 +437,7 @@ pub fn generate<'m, B: Backend + 'm>(
 
     let t0 = Instant::now();
     let logits = engine.forward(cache, &Batch::chain(SEQ, 0, prompt, false), None)?;
-    cache.commit();
+    engine.commit(cache);
     stats.prefill_secs = t0.elapsed().as_secs_f64();
     let first = sampler.sample(logits.last(), &history);
     let flow = limits.after(&out, first);
@@ -441,7 +464,14 @@ pub fn generate<'m, B: Backend + 'm>(
     let mut policy = if cfg.adaptive && cfg.shape.budget > 0 {
         let cost = match &cfg.cost {
             Some(c) => c.clone(),
-            None => measure_cost(engine, cache, first, cfg.shape.budget + 1, 1)?,
+            None => measure_cost(
+                engine,
+                cache,
+                first,
+                cfg.shape.budget + 1,
+                1,
+                CostMode::LayersThenHead,
+            )?,
         };
         let mut p = Policy::new(cfg.shape.budget, cost);
         p.shadow = !proposer.is_costly();
@@ -504,7 +534,7 @@ pub fn generate<'m, B: Backend + 'm>(
         let (layers_secs, head_secs, head_rows) =
             (verified.layers_secs, verified.head_secs, verified.head_rows);
         drop(verified);
-        kv::keep_path(be, cache, &walk.path)?;
+        kv::keep_path(engine, cache, &walk.path)?;
         let verify_secs = tv.elapsed().as_secs_f64();
         stats.verify_secs += verify_secs;
         stats.rounds += 1;

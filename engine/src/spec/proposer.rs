@@ -12,7 +12,8 @@
 //!   set probability: for tests and cost curves.
 //! - [`TableProposer`]: a fixed conditional table (tests and the exact-law proof).
 
-use crate::runtime::{Backend, Batch, CellMeta, Engine, KvCache, KvDtype};
+use crate::exec::BatchEngine;
+use crate::runtime::{Batch, CellMeta, KvDtype, SeqCache};
 use crate::sampling::Rng;
 
 use super::tree::{build, build_per_depth, top_k_log_probs, Tree, TreeShape};
@@ -127,23 +128,19 @@ impl Proposer for NgramProposer {
 /// layers. It decodes a greedy chain of `shape.max_depth` tokens and hands DDTree its top-k at
 /// each depth (DDTree's approximation: the alternatives at depth d are those after the best
 /// chain).
-pub struct ModelProposer<'e, 'm, B: Backend + 'm> {
-    engine: &'e Engine<'m, B>,
-    cache: KvCache<B>,
+pub struct ModelProposer<'e, E: BatchEngine + ?Sized> {
+    engine: &'e E,
+    cache: E::Cache,
     /// Tokens whose keys and values are in `cache`, from position 0 (forgotten ones included).
     fed: Vec<u32>,
     window: usize,
     label: String,
 }
 
-impl<'e, 'm, B: Backend + 'm> ModelProposer<'e, 'm, B> {
+impl<'e, E: BatchEngine + ?Sized> ModelProposer<'e, E> {
     /// A drafter on `engine` whose cache holds at most `window` positions (the draft window) plus
     /// one draft chain.
-    pub fn new(
-        engine: &'e Engine<'m, B>,
-        window: usize,
-        label: impl Into<String>,
-    ) -> Result<Self, SpecError> {
+    pub fn new(engine: &'e E, window: usize, label: impl Into<String>) -> Result<Self, SpecError> {
         if window == 0 {
             return Err(SpecError::Config(
                 "the draft window must be at least 1 token".into(),
@@ -170,7 +167,7 @@ impl<'e, 'm, B: Backend + 'm> ModelProposer<'e, 'm, B> {
         let pos = self.fed.len() as u32;
         let batch = Batch::chain(SEQ, pos, tokens, false);
         let logits = self.engine.forward(&mut self.cache, &batch, None)?;
-        self.cache.commit();
+        self.engine.commit(&mut self.cache);
         self.fed.extend_from_slice(tokens);
         Ok(logits.last().to_vec())
     }
@@ -184,7 +181,7 @@ impl<'e, 'm, B: Backend + 'm> ModelProposer<'e, 'm, B> {
     }
 }
 
-impl<'m, B: Backend + 'm> Proposer for ModelProposer<'_, 'm, B> {
+impl<E: BatchEngine + ?Sized> Proposer for ModelProposer<'_, E> {
     fn name(&self) -> String {
         self.label.clone()
     }

@@ -10,7 +10,8 @@
 use std::collections::HashMap;
 use std::rc::Rc;
 
-use crate::runtime::{Backend, Batch, Engine, Hidden, KvCache, SeqId};
+use crate::exec::BatchEngine;
+use crate::runtime::{Batch, SeqCache, SeqId};
 
 use super::tree::Tree;
 use super::SpecError;
@@ -32,23 +33,31 @@ pub enum HeadRows {
     Auto,
 }
 
-/// The verify batch of `tree` for sequence `seq` whose next position is `start`.
+/// A verify batch of `tree` for `seq` whose root sits at position `start` (node `i` at
+/// `start + depth(i)`), no logits rows asked for (the head runs later on the rows the walk
+/// visits).
 pub fn tree_batch(tree: &Tree, seq: SeqId, start: u32) -> Batch {
     let mut b = Batch::new();
-    for i in 0..tree.len() {
-        let pos = start + tree.depth(i);
-        match tree.parent(i) {
-            None => b.push_node(tree.token(i), pos, seq, None, false),
-            Some(p) => b.push_node(tree.token(i), pos, seq, Some(p), false),
-        };
-    }
+    push_tree(&mut b, tree, seq, start, false);
     b
 }
 
+/// Append `tree`'s nodes for `seq` to `batch` (root at position `start`), each asking for its
+/// logits row if `logits`; returns the batch index of the root (node `i` is at `root + i`). A
+/// server puts many sequences' trees in one batch this way.
+pub fn push_tree(batch: &mut Batch, tree: &Tree, seq: SeqId, start: u32, logits: bool) -> usize {
+    let base = batch.len();
+    for i in 0..tree.len() {
+        let parent = tree.parent(i).map(|p| base + p);
+        batch.push_node(tree.token(i), start + tree.depth(i), seq, parent, logits);
+    }
+    base
+}
+
 /// A tree run through the target's layers, with the logits computed so far.
-pub struct Verified<'t, B: Backend> {
+pub struct Verified<'t, E: BatchEngine + ?Sized> {
     tree: &'t Tree,
-    hidden: Hidden<B>,
+    hidden: E::Hidden,
     /// Each computed row, shared: the acceptance walk samples it where it lies.
     logits: HashMap<usize, Rc<Vec<f32>>>,
     plan: HeadRows,
@@ -62,13 +71,13 @@ pub struct Verified<'t, B: Backend> {
 
 /// Run `tree` (root first) through the target's layers; its cells are pending in `cache`
 /// until [`super::kv::keep_path`] keeps the accepted path.
-pub fn verify<'t, 'm, B: Backend + 'm>(
-    engine: &Engine<'m, B>,
-    cache: &mut KvCache<B>,
+pub fn verify<'t, E: BatchEngine + ?Sized>(
+    engine: &E,
+    cache: &mut E::Cache,
     tree: &'t Tree,
     seq: SeqId,
     plan: HeadRows,
-) -> Result<Verified<'t, B>, SpecError> {
+) -> Result<Verified<'t, E>, SpecError> {
     let start = cache.next_pos(seq);
     let batch = tree_batch(tree, seq, start);
     let t = std::time::Instant::now();
@@ -103,11 +112,8 @@ fn best_chain(tree: &Tree, from: usize) -> Vec<usize> {
     chain
 }
 
-impl<B: Backend> Verified<'_, B> {
-    fn compute<'m>(&mut self, engine: &Engine<'m, B>, mut rows: Vec<usize>) -> Result<(), SpecError>
-    where
-        B: 'm,
-    {
+impl<E: BatchEngine + ?Sized> Verified<'_, E> {
+    fn compute(&mut self, engine: &E, mut rows: Vec<usize>) -> Result<(), SpecError> {
         rows.retain(|r| !self.logits.contains_key(r));
         rows.sort_unstable();
         rows.dedup();
@@ -132,14 +138,7 @@ impl<B: Backend> Verified<'_, B> {
     }
 
     /// The target's logits at `node` (computed now if the plan skipped it), shared, not copied.
-    pub fn logits<'m>(
-        &mut self,
-        engine: &Engine<'m, B>,
-        node: usize,
-    ) -> Result<Rc<Vec<f32>>, SpecError>
-    where
-        B: 'm,
-    {
+    pub fn logits(&mut self, engine: &E, node: usize) -> Result<Rc<Vec<f32>>, SpecError> {
         if node >= self.tree.len() {
             return Err(SpecError::Config(format!(
                 "node {node} is outside the tree of {} nodes",

@@ -6,7 +6,7 @@
 //! - [`comm`]: the [`Communicator`] trait (all-reduce sum, all-gather, barrier) and its `shm`
 //!   implementation (ranks as threads); where the CUDA ones go.
 //! - [`runner`]: [`TpModel`] (every rank's shard views), [`TpEngine`] (prepared on one backend
-//!   per rank; the ordinary forward pass per rank, meeting at the all-reduces), [`TpSession`].
+//!   per rank; the ordinary forward pass per rank, meeting at the all-reduces); `crate::exec` drives it as a `BatchEngine`.
 //!   Taps are gathered to full shape before the observer sees them.
 //!
 //! Why TP = N equals TP = 1 up to summation order: every column split lands on a block of the
@@ -23,9 +23,9 @@ pub mod cost;
 pub mod plan;
 pub mod runner;
 
+pub use crate::model::forward::ReducePoint;
 pub use comm::{CommError, CommKind, CommStats, Communicator, ShmComm, ShmGroup};
 pub use plan::{
     Decision, Decisions, MoeMode, Placement, PlanError, RankPart, ShardPlan, TensorDesc, TensorPlan,
 };
-pub(crate) use runner::RankOps;
-pub use runner::{ReducePoint, TpCache, TpEngine, TpError, TpModel, TpSession};
+pub use runner::{TpCache, TpEngine, TpError, TpModel};

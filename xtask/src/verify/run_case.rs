@@ -6,8 +6,8 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{anyhow, Context, Result};
+use engine::exec::{self, AnyEngine, Device, Session, Topology};
 use engine::model::Model;
-use engine::runtime::{CpuBackend, Engine, Session};
 use engine::taps::TapRecorder;
 use engine::tokenizer::Tokenizer;
 use harness::cases::{Backend, Case, Spec};
@@ -383,6 +383,12 @@ impl Progress {
     }
 }
 
+/// The device a case's backend names, with the case's threads.
+pub fn device_of(backend: Backend, threads: usize) -> Result<Device> {
+    let isa = isa_of(backend).ok_or_else(|| anyhow!("{backend} is not a CPU backend"))?;
+    Ok(Device::cpu_with(Some(isa), Some(threads)))
+}
+
 pub fn isa_of(backend: Backend) -> Option<Isa> {
     match backend {
         Backend::CpuScalar => Some(Isa::Scalar),
@@ -414,16 +420,15 @@ pub fn run(
     let started = Instant::now();
     let name = case.name();
     let ctx = case.context()?;
-    let isa =
-        isa_of(case.backend).ok_or_else(|| anyhow!("{} is not a CPU backend", case.backend))?;
+    let device = device_of(case.backend, env.threads)?;
     let split = super::tp_case::split_source(case, env.path)?;
     let model = match &split {
         Some(s) => Model::load_listed(&s.listing).context("loading the split set as listed")?,
         None => Model::load(env.path).with_context(|| format!("loading {}", env.path.display()))?,
     };
     let tokenizer = Tokenizer::from_gguf(model.gguf()).context("loading the tokenizer")?;
-    let backend = CpuBackend::new(Some(isa), Some(env.threads))?;
-    let engine = Engine::new(&model, &backend).context("preparing the weights")?;
+    let engine = exec::open(&model, &device, &Topology::single())
+        .with_context(|| format!("opening the model on {device}"))?;
     if let Spec::Tree { budget, top_k } = case.spec {
         let r = super::spec_case::run(
             &engine,
@@ -453,13 +458,17 @@ pub fn run(
         )?;
         return Ok((result, None));
     }
-    let tp_model = super::tp_case::tp_model(&model, case)?;
-    let tp_backends = super::tp_case::backends(case, isa, env.threads)?;
-    let tp_engine = super::tp_case::tp_engine(tp_model.as_ref(), &tp_backends)?;
-    let fwd: &dyn super::tp_case::Forward = match &tp_engine {
-        Some(e) => e,
-        None => &engine,
+    let topology = super::tp_case::topology(case)?;
+    let tp_engine = if topology.tp > 1 {
+        Some(
+            exec::open(&model, &device, &topology)
+                .with_context(|| format!("preparing {} ranks of {}", topology.tp, case.model))?,
+        )
+    } else {
+        None
     };
+    // Teacher-forced taps and logits on the case's topology; everything else on the whole engine.
+    let fwd: &AnyEngine<'_> = tp_engine.as_ref().unwrap_or(&engine);
     let budget = env.budget;
     let ref_src = match &split {
         Some(s) => RefSource::Listed {
@@ -497,7 +506,7 @@ pub fn run(
 
     // Teacher-forced: the same tokens, one batched forward, every tap and every position's logits.
     let mut recorder = TapRecorder::new();
-    let mut session = fwd.session(4096)?;
+    let mut session = Session::new(fwd, 4096)?;
     session.set_logits_all(true);
     let logits = session
         .forward(&engine_tokens, Some(&mut recorder))
@@ -631,8 +640,7 @@ pub fn run(
     if let Some(s) = &split {
         gates.push(super::tp_case::split_gate(
             s,
-            isa,
-            env.threads,
+            &device,
             &reference.tokens,
             &logits.data,
         )?);
@@ -793,12 +801,8 @@ fn bos_gate(bos: Option<u32>, fed: &[(&str, &[u32])]) -> GateResult {
 }
 
 /// Greedy decoding through the KV cache; returns the new ids and their logits rows.
-fn greedy(
-    engine: &dyn super::tp_case::Forward,
-    prompt: &[u32],
-    n: usize,
-) -> Result<(Vec<u32>, Vec<f32>)> {
-    let mut session = engine.session(prompt.len() + n + 1)?;
+fn greedy(engine: &AnyEngine<'_>, prompt: &[u32], n: usize) -> Result<(Vec<u32>, Vec<f32>)> {
+    let mut session = Session::new(engine, prompt.len() + n + 1)?;
     let mut logits = session.forward(prompt, None).context("engine prefill")?;
     let mut ids = Vec::with_capacity(n);
     let mut rows = Vec::with_capacity(n * logits.n_vocab);
@@ -829,7 +833,7 @@ struct Speed {
 }
 
 fn bench(
-    engine: &Engine<'_, CpuBackend>,
+    engine: &AnyEngine<'_>,
     tokens: &[u32],
     budget: Budget,
     weights: WeightSize,

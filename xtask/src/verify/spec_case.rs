@@ -19,7 +19,8 @@
 //!    slower than plain decoding beyond the throughput gates' noise margin (same-run ratio).
 
 use anyhow::{Context, Result};
-use engine::runtime::{Batch, CpuBackend, Engine, KvDtype, Session};
+use engine::exec::{AnyEngine, BatchEngine, Session};
+use engine::runtime::{Batch, KvDtype, SeqCache};
 use engine::sampling::{Sampler, SamplerConfig};
 use engine::spec::{
     self, verify, Limits, NgramProposer, Proposer, SpecConfig, SyntheticProposer, TreeShape, SEQ,
@@ -45,13 +46,13 @@ fn rel_err(a: &[f32], b: &[f32]) -> f64 {
     f64::from(a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale)
 }
 
-fn plain_logits(engine: &Engine<'_, CpuBackend>, tokens: &[u32]) -> Result<Vec<f32>> {
+fn plain_logits(engine: &AnyEngine<'_>, tokens: &[u32]) -> Result<Vec<f32>> {
     let mut s = Session::new(engine, tokens.len() + 1)?;
     Ok(s.forward(tokens, None)?.last().to_vec())
 }
 
 fn plain(
-    engine: &Engine<'_, CpuBackend>,
+    engine: &AnyEngine<'_>,
     prompt: &[u32],
     cfg: SamplerConfig,
     limits: &Limits,
@@ -66,7 +67,7 @@ fn plain(
 
 #[allow(clippy::too_many_arguments)]
 fn speculate(
-    engine: &Engine<'_, CpuBackend>,
+    engine: &AnyEngine<'_>,
     prompt: &[u32],
     proposer: &mut dyn Proposer,
     scfg: SamplerConfig,
@@ -104,7 +105,7 @@ fn prompt(tokenizer: &Tokenizer, real: bool) -> Result<Vec<u32>> {
 }
 
 pub fn run(
-    engine: &Engine<'_, CpuBackend>,
+    engine: &AnyEngine<'_>,
     tokenizer: &Tokenizer,
     budget: usize,
     top_k: usize,
@@ -164,7 +165,7 @@ pub fn run(
         .max_by_key(|&i| (tree.depth(i), usize::MAX - i))
         .unwrap_or(0);
     let path = tree.path_to(deepest);
-    spec::kv::keep_path(engine.backend(), &mut cache, &path)?;
+    spec::kv::keep_path(engine, &mut cache, &path)?;
     let mut text = prompt.clone();
     text.extend(tree.path_tokens(deepest));
     let next = *oracle.get(text.len()).unwrap_or(&0);

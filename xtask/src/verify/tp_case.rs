@@ -18,15 +18,13 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{anyhow, bail, Context, Result};
+use engine::exec::{AnyEngine, BatchEngine, Device, Session};
 use engine::model::Model;
-use engine::runtime::{Batch, CpuBackend, Engine, KvCache, Logits, Session};
-use engine::taps::TapObserver;
+use engine::runtime::Batch;
 use engine::tp::cost::{self, TokenComm, LINKS};
-use engine::tp::{TpEngine, TpModel, TpSession};
 use harness::cases::{Case, MachineCaps, ModelSource, Spec, Topology, TP_DEGREES};
 use harness::gate::GateResult;
 use harness::report::Figure;
-use kernels::cpu::Isa;
 
 use super::models::{Models, REAL_MODEL, REAL_WEIGHTS};
 
@@ -122,99 +120,32 @@ pub fn split_source(case: &Case, single: &Path) -> Result<Option<SplitSource>> {
     }))
 }
 
-/// A prepared engine a case runs sessions on: TP 1 or N ranks.
-pub trait Forward {
-    fn session(&self, n_ctx: usize) -> Result<Box<dyn Seq + '_>>;
-}
-
-/// One sequence on a [`Forward`].
-pub trait Seq {
-    fn set_logits_all(&mut self, all: bool);
-    fn forward(&mut self, tokens: &[u32], taps: Option<&mut dyn TapObserver>) -> Result<Logits>;
-}
-
-impl<'e, 'm> Seq for Session<'e, 'm, CpuBackend> {
-    fn set_logits_all(&mut self, all: bool) {
-        Session::set_logits_all(self, all);
-    }
-    fn forward(&mut self, tokens: &[u32], taps: Option<&mut dyn TapObserver>) -> Result<Logits> {
-        Ok(Session::forward(self, tokens, taps)?)
-    }
-}
-
-impl<'e, 't> Seq for TpSession<'e, 't, CpuBackend> {
-    fn set_logits_all(&mut self, all: bool) {
-        TpSession::set_logits_all(self, all);
-    }
-    fn forward(&mut self, tokens: &[u32], taps: Option<&mut dyn TapObserver>) -> Result<Logits> {
-        Ok(TpSession::forward(self, tokens, taps)?)
-    }
-}
-
-impl Forward for Engine<'_, CpuBackend> {
-    fn session(&self, n_ctx: usize) -> Result<Box<dyn Seq + '_>> {
-        Ok(Box::new(Session::new(self, n_ctx)?))
-    }
-}
-
-impl<'t> Forward for TpEngine<'t, CpuBackend> {
-    fn session(&self, n_ctx: usize) -> Result<Box<dyn Seq + '_>> {
-        Ok(Box::new(TpSession::new(self, n_ctx)?))
-    }
-}
-
-/// The TP model of a case (`None` at TP 1).
-pub fn tp_model<'m>(model: &'m Model, case: &Case) -> Result<Option<TpModel<'m>>> {
-    if case.tp <= 1 {
-        return Ok(None);
-    }
-    if case.topology != Topology::Shm || case.backend.is_cuda() {
+/// The topology of a case: TP 1 whole, or N ranks over `shm` (the only communicator built).
+pub fn topology(case: &Case) -> Result<engine::exec::Topology> {
+    if case.tp > 1 && case.topology != Topology::Shm {
         bail!(
             "topology {} on {} needs a communicator this build lacks",
             case.topology,
             case.backend
         );
     }
-    Ok(Some(TpModel::new(model, case.tp as usize).with_context(
-        || format!("planning {} for TP {}", case.model, case.tp),
-    )?))
-}
-
-/// One CPU backend per rank, the machine's threads shared among them.
-pub fn backends(case: &Case, isa: Isa, threads: usize) -> Result<Vec<CpuBackend>> {
-    let n = case.tp.max(1) as usize;
-    if n <= 1 {
-        return Ok(Vec::new());
-    }
-    let per = (threads / n).max(1);
-    (0..n)
-        .map(|_| CpuBackend::new(Some(isa), Some(per)).map_err(anyhow::Error::from))
-        .collect()
-}
-
-/// The TP engine on `backends` with an `shm` group.
-pub fn tp_engine<'t>(
-    tp: Option<&'t TpModel<'t>>,
-    backends: &'t [CpuBackend],
-) -> Result<Option<TpEngine<'t, CpuBackend>>> {
-    let Some(tp) = tp else { return Ok(None) };
-    Ok(Some(
-        TpEngine::over_shm(tp, backends).context("preparing the ranks")?,
-    ))
+    Ok(engine::exec::Topology::tp(case.tp.max(1) as usize))
 }
 
 /// Decode `n` tokens after `prompt` on the ranks and report the communication per token,
 /// measured on `shm` and modelled for the interconnects, with a gate that the measured count
 /// of all-reduces equals the plan's.
 pub fn comm_report(
-    engine: &TpEngine<'_, CpuBackend>,
+    engine: &AnyEngine<'_>,
     prompt: &[u32],
     n: usize,
 ) -> Result<(Vec<Figure>, GateResult)> {
-    let tp = engine.tp_model();
+    let tp = engine
+        .tp_model()
+        .ok_or_else(|| anyhow!("the communication report needs a tensor-parallel engine"))?;
     let c = tp.model().config();
     let modelled = TokenComm::of(c, tp.plan());
-    let mut s = TpSession::new(engine, prompt.len() + n + 1)?;
+    let mut s = Session::new(engine, prompt.len() + n + 1)?;
     let mut logits = s.forward(prompt, None).context("TP prefill")?;
     let before = engine.comm_stats().first().copied().unwrap_or_default();
     let t = Instant::now();
@@ -257,7 +188,7 @@ pub fn comm_report(
         format!(
             "{calls} all-reduces per decoded token on {} ranks ({}), the plan needs {}",
             tp.degree(),
-            engine.comm_kind(),
+            engine.communicator().unwrap_or("none"),
             modelled.all_reduces
         ),
     );
@@ -268,17 +199,14 @@ pub fn comm_report(
 /// single file's, bit for bit (the same bytes in the same kernels).
 pub fn split_gate(
     src: &SplitSource,
-    isa: Isa,
-    threads: usize,
+    device: &Device,
     tokens: &[u32],
     split_logits: &[f32],
 ) -> Result<GateResult> {
     let model =
         Model::load(&src.single).with_context(|| format!("loading {}", src.single.display()))?;
-    let be = CpuBackend::new(Some(isa), Some(threads))?;
-    let engine = Engine::new(&model, &be)?;
-    let mut cache: KvCache<CpuBackend> =
-        engine.new_cache(tokens.len() + 1, engine::runtime::KvDtype::F32)?;
+    let engine = engine::exec::open(&model, device, &engine::exec::Topology::single())?;
+    let mut cache = engine.new_cache(tokens.len() + 1, engine::runtime::KvDtype::F32)?;
     let single = engine.forward(&mut cache, &Batch::chain(0, 0, tokens, true), None)?;
     if single.data.len() != split_logits.len() {
         return Err(anyhow!(
@@ -324,7 +252,7 @@ mod tests {
     /// first weight type, as [`super::extend`] and the matrix pick it): `(model, arch, plan)`.
     fn tp8_plans() -> Vec<(String, String, ShardPlan)> {
         let dir = tempfile::tempdir().expect("temp dir");
-        let models = models::discover(dir.path()).expect("writing the fixtures");
+        let models = models::discover(dir.path(), false).expect("writing the fixtures");
         let mut out = Vec::new();
         for m in models
             .entries

@@ -28,10 +28,11 @@ use super::error::CudaError;
 use super::libs::LibrarySearch;
 use super::nvrtc::Nvrtc;
 use super::sources::FILES;
-use crate::model::{Activation, Gating, MoeConfig, RopeConfig, RopeStyle};
 use crate::runtime::backend::{AttnMeta, Backend, KvDtype, KvSource, Strided, WeightData};
-use crate::runtime::cpu::yarn_corr_dims;
 use crate::runtime::error::check_len;
+use crate::runtime::params::{
+    yarn_corr_dims, Activation, Gating, MoeConfig, RopeConfig, RopeStyle,
+};
 use crate::runtime::RuntimeError;
 
 /// Every weight type the CUDA kernels multiply (the `FOR_EACH_TYPE` list of `quant.cuh`).
@@ -570,7 +571,7 @@ pub fn self_test(
     }
     let w = b
         .prepare(WeightData {
-            name: "self-test",
+            name: "self-test".to_owned(),
             ty: GgmlType::Q8_0,
             k_dim: 32,
             n_rows: 1,

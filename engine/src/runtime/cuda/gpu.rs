@@ -11,10 +11,10 @@ use std::borrow::Cow;
 use kernels::quant::GgmlType;
 
 use super::backend::{CudaBackend, CUDA_TYPES, GEMM_MIN_TOKENS};
-use crate::model::{Activation, Gating, MoeConfig, RopeConfig, RopeStyle, Yarn};
 use crate::runtime::backend::{
     AttnMeta, Backend, CellMeta, KvDtype, KvSource, Mask, QueryMeta, Strided, WeightData,
 };
+use crate::runtime::params::{Activation, Gating, MoeConfig, RopeConfig, RopeStyle, Yarn};
 use crate::runtime::sampling::{self, Rng, Sampler, SamplerConfig};
 use crate::runtime::CpuBackend;
 
@@ -71,7 +71,7 @@ fn weight(ty: GgmlType, n_rows: usize, k: usize, seed: u64) -> Vec<u8> {
 
 fn wd(ty: GgmlType, k: usize, n_rows: usize, n_mats: usize, data: &[u8]) -> WeightData<'_> {
     WeightData {
-        name: "w",
+        name: "w".to_owned(),
         ty,
         k_dim: k,
         n_rows,
@@ -514,8 +514,8 @@ fn argmax_and_sampling_on_the_device_match_the_cpu() {
 
 #[test]
 fn the_real_model_on_the_gpu_matches_the_cpu_backend() {
+    use crate::exec::{Engine, Session};
     use crate::model::Model;
-    use crate::runtime::{Engine, Session};
     let dir = match std::env::var_os("PLUMBLINE_MODELS") {
         Some(d) => std::path::PathBuf::from(d),
         None => std::path::PathBuf::from(std::env::var_os("HOME").unwrap_or_default())

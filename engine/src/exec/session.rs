@@ -1,36 +1,34 @@
-//! [`Session`]: one sequence being decoded, with its own KV cache: the simple way to run a
-//! prompt and decode, on top of [`Engine::forward`].
+//! [`Session`]: one sequence being decoded, with its own KV cache, on any [`BatchEngine`]
+//! (whole or tensor-parallel, any device): the simple way to run a prompt and decode.
 
 use crate::model::Model;
+use crate::runtime::{Batch, KvDtype, RuntimeError, SeqCache};
 use crate::taps::TapObserver;
 
-use super::backend::{Backend, KvDtype};
-use super::{Batch, Engine, KvCache, Logits, RuntimeError};
+use crate::runtime::Logits;
+
+use super::BatchEngine;
 
 /// The sequence id a [`Session`] uses in its cache.
 const SEQ: u32 = 0;
 
 /// One sequence on one engine: the KV cache and the position.
-pub struct Session<'e, 'm, B: Backend + 'm> {
-    engine: &'e Engine<'m, B>,
-    cache: KvCache<B>,
+pub struct Session<'e, E: BatchEngine + ?Sized> {
+    engine: &'e E,
+    cache: E::Cache,
     n_ctx: usize,
     logits_all: bool,
 }
 
-impl<'e, 'm, B: Backend + 'm> Session<'e, 'm, B> {
+impl<'e, E: BatchEngine + ?Sized> Session<'e, E> {
     /// A session of at most `n_ctx` positions (not capped at the training context: a model may
     /// run past it, with the usual loss of quality), with an f32 cache.
-    pub fn new(engine: &'e Engine<'m, B>, n_ctx: usize) -> Result<Self, RuntimeError> {
+    pub fn new(engine: &'e E, n_ctx: usize) -> Result<Self, RuntimeError> {
         Self::with_cache(engine, n_ctx, KvDtype::F32)
     }
 
     /// [`Session::new`] with the cache stored as `dtype`.
-    pub fn with_cache(
-        engine: &'e Engine<'m, B>,
-        n_ctx: usize,
-        dtype: KvDtype,
-    ) -> Result<Self, RuntimeError> {
+    pub fn with_cache(engine: &'e E, n_ctx: usize, dtype: KvDtype) -> Result<Self, RuntimeError> {
         Ok(Session {
             engine,
             cache: engine.new_cache(n_ctx, dtype)?,
@@ -54,19 +52,15 @@ impl<'e, 'm, B: Backend + 'm> Session<'e, 'm, B> {
         self.n_ctx
     }
 
-    pub fn model(&self) -> &'m Model {
+    pub fn model(&self) -> &Model {
         self.engine.model()
     }
 
-    pub fn engine(&self) -> &'e Engine<'m, B> {
+    pub fn engine(&self) -> &'e E {
         self.engine
     }
 
-    pub fn backend(&self) -> &'m B {
-        self.engine.backend()
-    }
-
-    pub fn cache(&self) -> &KvCache<B> {
+    pub fn cache(&self) -> &E::Cache {
         &self.cache
     }
 
@@ -92,7 +86,7 @@ impl<'e, 'm, B: Backend + 'm> Session<'e, 'm, B> {
         // by the forward.
         let batch = Batch::chain(SEQ, self.n_past() as u32, tokens, self.logits_all);
         let logits = self.engine.forward(&mut self.cache, &batch, taps)?;
-        self.cache.commit();
+        self.engine.commit(&mut self.cache);
         Ok(logits)
     }
 }

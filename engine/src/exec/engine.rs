@@ -3,41 +3,8 @@
 use crate::model::{forward, Model, Weights};
 use crate::taps::{TapObserver, Taps};
 
-use super::backend::{Backend, KvDtype};
-use super::{Batch, KvCache, RuntimeError};
-
-/// Logits of a forward call: `n_rows` rows of `n_vocab`, one per batch token that asked for
-/// logits (`tokens[i]` is row `i`'s batch index).
-#[derive(Debug, Clone, PartialEq)]
-pub struct Logits {
-    pub data: Vec<f32>,
-    pub n_rows: usize,
-    pub n_vocab: usize,
-    /// The batch index of each row.
-    pub tokens: Vec<usize>,
-}
-
-impl Logits {
-    /// Row `i` (`0..n_rows`).
-    pub fn row(&self, i: usize) -> &[f32] {
-        self.data
-            .get(i * self.n_vocab..(i + 1) * self.n_vocab)
-            .unwrap_or(&[])
-    }
-
-    /// The row of batch token `index`, if it asked for logits.
-    pub fn of_token(&self, index: usize) -> Option<&[f32]> {
-        self.tokens
-            .iter()
-            .position(|&t| t == index)
-            .map(|i| self.row(i))
-    }
-
-    /// The last row.
-    pub fn last(&self) -> &[f32] {
-        self.row(self.n_rows.saturating_sub(1))
-    }
-}
+use crate::runtime::{Backend, KvDtype};
+use crate::runtime::{Batch, KvCache, Logits, RuntimeError, Shared};
 
 /// The last layer's residual stream of a forward's tokens ([`Engine::forward_hidden`]), on the
 /// backend.
@@ -61,17 +28,27 @@ impl<B: Backend> Hidden<B> {
 /// [`super::Session`] runs on it.
 pub struct Engine<'m, B: Backend + 'm> {
     model: &'m Model,
-    backend: &'m B,
+    backend: Shared<'m, B>,
     weights: Weights<'m, B>,
 }
 
 impl<'m, B: Backend + 'm> Engine<'m, B> {
-    /// Prepare every weight of `model` on `backend` (once).
+    /// Prepare every weight of `model` on `backend` (once), which the caller keeps.
     pub fn new(model: &'m Model, backend: &'m B) -> Result<Engine<'m, B>, RuntimeError> {
+        Self::shared(model, Shared::Borrowed(backend))
+    }
+
+    /// [`Engine::new`] on a backend the engine keeps (so the engine borrows only the model).
+    pub fn owning(model: &'m Model, backend: B) -> Result<Engine<'m, B>, RuntimeError> {
+        Self::shared(model, Shared::Owned(std::sync::Arc::new(backend)))
+    }
+
+    fn shared(model: &'m Model, backend: Shared<'m, B>) -> Result<Engine<'m, B>, RuntimeError> {
+        let weights = Weights::prepare(model, &*backend)?;
         Ok(Engine {
             model,
             backend,
-            weights: Weights::prepare(model, backend)?,
+            weights,
         })
     }
 
@@ -82,6 +59,7 @@ impl<'m, B: Backend + 'm> Engine<'m, B> {
         backend: &'m B,
         n_layers: usize,
     ) -> Result<Engine<'m, B>, RuntimeError> {
+        let backend = Shared::Borrowed(backend);
         if n_layers == 0 || n_layers > model.config().n_layer {
             return Err(RuntimeError::Shape {
                 op: "self-draft layers (1 ..= the model's layers)",
@@ -89,10 +67,11 @@ impl<'m, B: Backend + 'm> Engine<'m, B> {
                 found: n_layers,
             });
         }
+        let weights = Weights::prepare_layers(model, &*backend, n_layers)?;
         Ok(Engine {
             model,
             backend,
-            weights: Weights::prepare_layers(model, backend, n_layers)?,
+            weights,
         })
     }
 
@@ -105,16 +84,15 @@ impl<'m, B: Backend + 'm> Engine<'m, B> {
         self.model
     }
 
-    pub fn backend(&self) -> &'m B {
-        self.backend
+    pub fn backend(&self) -> &B {
+        &self.backend
     }
 
     /// An empty cache for this model of at most `capacity` cells.
     pub fn new_cache(&self, capacity: usize, dtype: KvDtype) -> Result<KvCache<B>, RuntimeError> {
-        KvCache::with_layers(
-            self.backend,
-            self.model.config(),
-            self.weights.n_layers(),
+        KvCache::new(
+            &*self.backend,
+            self.model.config().kv_layout(self.weights.n_layers()),
             capacity,
             dtype,
         )
@@ -129,7 +107,7 @@ impl<'m, B: Backend + 'm> Engine<'m, B> {
         cache: &mut KvCache<B>,
         batch: &Batch,
     ) -> Result<Hidden<B>, RuntimeError> {
-        let (model, weights, backend) = (self.model, &self.weights, self.backend);
+        let (model, weights, backend) = (self.model, &self.weights, &*self.backend);
         let buf = self.guarded(cache, |cache| {
             backend.scoped(|| {
                 let mut taps = Taps::new(None);
@@ -160,7 +138,7 @@ impl<'m, B: Backend + 'm> Engine<'m, B> {
     /// head's weights.
     pub fn head(&self, hidden: &Hidden<B>, rows: &[usize]) -> Result<Logits, RuntimeError> {
         let rows: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
-        let (model, weights, backend) = (self.model, &self.weights, self.backend);
+        let (model, weights, backend) = (self.model, &self.weights, &*self.backend);
         let (data, rows) = backend.scoped(|| {
             let mut taps = Taps::new(None);
             forward::head(
@@ -192,7 +170,7 @@ impl<'m, B: Backend + 'm> Engine<'m, B> {
         batch: &Batch,
         taps: Option<&mut dyn TapObserver>,
     ) -> Result<Logits, RuntimeError> {
-        let (model, weights, backend) = (self.model, &self.weights, self.backend);
+        let (model, weights, backend) = (self.model, &self.weights, &*self.backend);
         let (data, rows) = self.guarded(cache, |cache| match taps {
             // Every pass without taps runs inside the backend's scope (`Backend::scoped`); with
             // taps it cannot, as an observer need not be `Send`.
