@@ -6,16 +6,20 @@
 //! `cargo xtask verify --model FILE` runs the same case runner on one file instead of the matrix,
 //! with the reference streaming layer by layer and its peak memory measured ([`model_file`]).
 
+mod common;
 mod faults;
+mod gates;
 mod isolate;
+mod kinds;
 mod model_file;
 mod models;
 mod path_case;
+mod reference_runs;
 mod routes;
 mod rss;
-mod run_case;
 mod serve_case;
 mod spec_case;
+mod teacher_forced;
 mod tp_case;
 
 use std::path::PathBuf;
@@ -132,7 +136,8 @@ pub fn verify(args: &Args) -> Result<Report> {
     let baselines_path = PathBuf::from(BASELINES_PATH);
     let mut baselines = Baselines::load(&baselines_path)?;
     let mut report = Report::default();
-    let mut refs = run_case::ReferenceCache::default();
+    let mut refs = reference_runs::ReferenceCache::default();
+    let mut kinds = kinds::Kinds::default();
     let mut updated = false;
     for (i, case) in cases.iter().enumerate() {
         let name = case.name();
@@ -150,23 +155,19 @@ pub fn verify(args: &Args) -> Result<Report> {
         };
         // A split set of the real model is the real model (its budget and gates).
         let real = case.model.split('@').next() == Some(models::REAL_MODEL);
-        let env = run_case::CaseEnv {
+        let env = common::CaseEnv {
             path,
             real,
-            budget: run_case::Budget::for_model(real),
+            budget: common::Budget::for_model(real),
             threads,
             policy: &policy,
             baselines: &baselines,
             bench: !args.no_bench,
         };
-        let outcome = if case.spec == harness::cases::Spec::Serve {
-            serve_case::run(case, &env, &mut refs).map(|r| (r, None))
-        } else {
-            run_case::run(case, &env, &mut refs)
-        };
+        let outcome = kinds.run(case, &env, &mut refs);
         let result = match outcome {
             Ok((result, measured)) => {
-                // Only the real model is benched (run_case::run says why).
+                // Only the real model is benched (teacher_forced::run says why).
                 if let (true, Some(m)) = (args.update_baselines, measured) {
                     baselines.update(&name, m);
                     updated = true;

@@ -1,6 +1,6 @@
 //! `cargo xtask verify --model FILE`: one GGUF the user is about to deploy (a single file, or any
 //! shard of a split set, whose other shards are found beside it), checked by the same case runner
-//! and tolerance policy as the matrix ([`super::run_case::run`]) on the engine's best CPU
+//! and tolerance policy as the matrix ([`super::kinds::Kinds`]) on the engine's best CPU
 //! backend: both tokenizers, teacher-forced taps layer-isolated in exact numerics and end to end
 //! in full precision, the coherence gates, the usual report.
 //!
@@ -24,8 +24,9 @@ use harness::throughput::Baselines;
 use harness::tolerance::TolerancePolicy;
 use reference::Residency;
 
+use super::common::{Budget, CaseEnv};
+use super::reference_runs::{self, ReferenceCache};
 use super::rss::{Phase, PhasePeak};
-use super::run_case::{self, Budget, CaseEnv, ReferenceCache};
 use super::Args;
 
 const MIB: f64 = 1024.0 * 1024.0;
@@ -162,9 +163,9 @@ fn golden_for(path: &Path, info: &FileInfo) -> Result<GateResult> {
     let stem = path.file_stem().map(|s| s.to_string_lossy().into_owned());
     let real_stem = golden::snapshot::REAL_MODEL_FILE.strip_suffix(".gguf");
     if info.fixture {
-        run_case::golden_gate(path, false)
+        reference_runs::golden_gate(path, false)
     } else if stem.as_deref() == real_stem {
-        run_case::golden_gate(path, true)
+        reference_runs::golden_gate(path, true)
     } else {
         Ok(GateResult::not_judged(
             "golden",
@@ -205,8 +206,8 @@ pub fn verify(args: &Args, path: &Path) -> Result<Report> {
     // The reference's phase, on its own: nothing of the engine is loaded yet.
     eprintln!("      reference (streaming, {} tokens)…", budget.n_text);
     let phase = Phase::begin()?;
-    let run = run_case::reference_run(
-        run_case::RefSource::File(path),
+    let run = reference_runs::reference_run(
+        reference_runs::RefSource::File(path),
         budget,
         Residency::Streaming,
     );
@@ -246,7 +247,7 @@ pub fn verify(args: &Args, path: &Path) -> Result<Report> {
         bench: !args.no_bench,
     };
     let phase = Phase::begin()?;
-    let outcome = run_case::run(&case, &env, &mut refs);
+    let outcome = super::kinds::Kinds::default().run(&case, &env, &mut refs);
     let engine_mem = phase.end()?;
     let mut result = match outcome {
         Ok((result, _)) => result,

@@ -36,8 +36,9 @@ use harness::tap::Tap;
 use harness::tolerance::{CaseContext, Numerics, TolerancePolicy};
 use reference::{Precision, ReferenceModel, Residency};
 
+use super::common::TEXT;
+use super::gates::{logit_thresholds, tokens_gate};
 use super::isolate::Isolating;
-use super::run_case::{logit_thresholds, tokens_gate, TEXT};
 
 /// Chunk sizes of the chunked prefill, repeated until the text is used up (the last chunk is
 /// what is left). Odd, so no chunk is a multiple of the 4×4 micro-tile, of the 4 query heads a

@@ -14,7 +14,8 @@ use harness::gate::GateResult;
 use harness::report::{CaseResult, Figure};
 use serde_json::{json, Value};
 
-use super::run_case::{CaseEnv, RefSource, ReferenceCache};
+use super::common::CaseEnv;
+use super::reference_runs::{RefSource, ReferenceCache};
 use crate::serve_bench;
 
 /// Alternatives asked per token: enough to hold the reference's token at a near-tie (the tie
@@ -24,7 +25,7 @@ const TOP: usize = 5;
 pub fn run(case: &Case, env: &CaseEnv<'_>, refs: &mut ReferenceCache) -> Result<CaseResult> {
     let name = case.name();
     let started = Instant::now();
-    let Some(isa) = super::run_case::isa_of(case.backend) else {
+    let Some(isa) = super::common::isa_of(case.backend) else {
         return Ok(CaseResult::skipped(
             &name,
             "the server runs on CPU backends only",
@@ -85,7 +86,7 @@ pub fn run(case: &Case, env: &CaseEnv<'_>, refs: &mut ReferenceCache) -> Result<
             golden: &reference.greedy_rows,
             n_vocab,
         },
-        // The offline cases' margin (run_case.rs): 0.5 nats on each side admits the Q8
+        // The offline cases' margin (teacher_forced.rs): 0.5 nats on each side admits the Q8
         // activation flips seen on the real model, not a bug's whole-unit shifts.
         0.5,
     );

@@ -150,7 +150,7 @@ pub fn comm_report(
     let before = engine.comm_stats().first().copied().unwrap_or_default();
     let t = Instant::now();
     for _ in 0..n {
-        let next = super::run_case::argmax(logits.last());
+        let next = super::common::argmax(logits.last());
         logits = s.forward(&[next], None).context("TP decode")?;
     }
     let wall = t.elapsed().as_secs_f64() / n.max(1) as f64;
