@@ -3,6 +3,7 @@
 
 mod bench;
 mod compare;
+mod cuda_emu;
 mod fetch_model;
 mod golden;
 mod gpu_archive;
@@ -35,6 +36,8 @@ enum Command {
     Verify(verify::Args),
     /// Regenerate the golden snapshots as `.snap.new` files and list the changed ones
     Golden(golden::Args),
+    /// Build the CUDA emulator (the driver on the CPU running the .cu kernels) in target/cuda-emu
+    CudaEmu,
     /// Compile every CUDA kernel for sm_80 … sm_120 through NVRTC; registers, spills, shared memory
     Kernels(kernels::Args),
     /// Nextest archive of the GPU tests + nextest binary + prebuilt cubins + run script for a GPU runner
@@ -69,6 +72,7 @@ fn main() -> Result<()> {
         Command::Golden(args) => golden::run(args)?,
         Command::QuantErrors { json } => quant_errors::run(json)?,
         Command::Kernels(args) => kernels::run(args)?,
+        Command::CudaEmu => cuda_emu::run()?,
         Command::GpuArchive(args) => gpu_archive::run(args)?,
         Command::Verify(args) => verify::run(args)?,
         Command::Compare(args) => compare::run(args)?,

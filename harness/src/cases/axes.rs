@@ -22,13 +22,17 @@ pub enum Backend {
     Cuda {
         sm: u32,
     },
+    /// `cuda-emu`: the CUDA backend and kernels on the CPU execution of the driver
+    /// (`kernels/cuda/emu/`), judged by the same gates and tolerances as a real CUDA case.
+    CudaEmu,
 }
 
 impl Backend {
     pub const CPU: [Backend; 3] = [Backend::CpuScalar, Backend::CpuAvx2, Backend::CpuAvx512];
 
+    /// The CUDA backend, on a device or emulated.
     pub fn is_cuda(self) -> bool {
-        matches!(self, Backend::Cuda { .. })
+        matches!(self, Backend::Cuda { .. } | Backend::CudaEmu)
     }
 }
 
@@ -39,6 +43,7 @@ impl fmt::Display for Backend {
             Backend::CpuAvx2 => f.write_str("cpu-avx2"),
             Backend::CpuAvx512 => f.write_str("cpu-avx512"),
             Backend::Cuda { sm } => write!(f, "cuda-sm{sm}"),
+            Backend::CudaEmu => f.write_str("cuda-emu"),
         }
     }
 }
@@ -50,6 +55,7 @@ impl FromStr for Backend {
             "cpu-scalar" => Ok(Backend::CpuScalar),
             "cpu-avx2" => Ok(Backend::CpuAvx2),
             "cpu-avx512" => Ok(Backend::CpuAvx512),
+            "cuda-emu" => Ok(Backend::CudaEmu),
             _ => {
                 let sm = s
                     .strip_prefix("cuda-sm")

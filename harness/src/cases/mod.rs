@@ -79,6 +79,14 @@ impl Case {
             Backend::CpuAvx2 if !machine.avx2 => return Some("CPU lacks AVX2".into()),
             Backend::CpuAvx512 if !machine.avx512 => return Some("CPU lacks AVX-512".into()),
             Backend::CpuAvx2 | Backend::CpuAvx512 => {}
+            Backend::CudaEmu => {
+                if !e.cuda {
+                    return Some("engine built without the `cuda` feature".into());
+                }
+                if let Some(why) = &machine.cuda_emu_missing {
+                    return Some(why.clone());
+                }
+            }
             Backend::Cuda { sm } => {
                 if machine.cuda_archs.is_empty() {
                     return Some("no CUDA device".into());
@@ -106,9 +114,11 @@ impl Case {
                 }
             }
         }
-        match (self.topology, self.backend.is_cuda()) {
+        // PCIe and NVLink join CUDA devices; the emulated device is one device, its ranks meet
+        // over `shm`.
+        match (self.topology, matches!(self.backend, Backend::Cuda { .. })) {
             (Topology::Pcie | Topology::Nvlink, false) => {
-                return Some(format!("topology {} needs a CUDA backend", self.topology))
+                return Some(format!("topology {} needs CUDA devices", self.topology))
             }
             (_, _) if self.tp == 1 && self.topology != Topology::Shm => {
                 return Some(format!(
@@ -267,6 +277,9 @@ pub struct MachineCaps {
     /// Compute capability of each CUDA device as `major*10+minor` (90 for sm_90), one per device.
     pub cuda_archs: Vec<u32>,
     pub nvlink: bool,
+    /// Why the CUDA emulator cannot run here (not built, no NVRTC), or `None` when it can.
+    #[serde(default)]
+    pub cuda_emu_missing: Option<String>,
     pub engine: EngineCaps,
     /// Model name → the command that provides it, for models whose files are absent.
     pub models_missing: BTreeMap<String, String>,
@@ -400,6 +413,45 @@ impl Matrix {
                 }
             }
         }
+        cases.extend(Self::emulated(models));
+        cases
+    }
+
+    /// The CUDA backend on the emulated device (`cuda-emu`): every model and weight mix; the
+    /// chunked and decode paths of every fixture; tree speculation and TP 2 on the one device
+    /// for the extended fixtures. The real model runs its teacher-forced case only: its long
+    /// path and speculation cases would take the emulator most of an hour on two cores.
+    fn emulated(models: &[ModelEntry]) -> Vec<Case> {
+        let emu = Backend::CudaEmu;
+        let mut cases = Vec::new();
+        for m in models {
+            for w in &m.weights {
+                cases.push(Case::new(&m.name, w, emu, 1, Topology::Shm, Spec::Off));
+            }
+        }
+        for m in models.iter().filter(|m| m.source == ModelSource::Fixture) {
+            if let Some(w0) = m.weights.first() {
+                for spec in [Spec::Chunked, Spec::Decode] {
+                    cases.push(Case::new(&m.name, w0, emu, 1, Topology::Shm, spec));
+                }
+            }
+        }
+        let extended_fixtures = models
+            .iter()
+            .filter(|m| m.extended && m.source == ModelSource::Fixture);
+        for m in extended_fixtures {
+            if let Some(w0) = m.weights.first() {
+                cases.push(Case::new(
+                    &m.name,
+                    w0,
+                    emu,
+                    1,
+                    Topology::Shm,
+                    Spec::TREE_B8K4,
+                ));
+                cases.push(Case::new(&m.name, w0, emu, 2, Topology::Shm, Spec::Off));
+            }
+        }
         cases
     }
 }
@@ -515,7 +567,7 @@ mod tests {
             ),
             (
                 "llama/q4_0/cpu-avx2/tp2-pcie/off",
-                Some("topology pcie needs a CUDA backend"),
+                Some("topology pcie needs CUDA devices"),
             ),
             (
                 "gemma3-270m/q4_k_m/cpu-avx2/tp1-shm/off",
@@ -575,14 +627,49 @@ mod tests {
     }
 
     #[test]
+    fn emulated_cuda_skip_reasons() {
+        let built = MachineCaps {
+            engine: EngineCaps {
+                cuda: true,
+                tensor_parallel: true,
+                speculative: true,
+            },
+            ..MachineCaps::default()
+        };
+        assert_eq!(reason("llama/q4_0/cuda-emu/tp1-shm/off", &built), None);
+        assert_eq!(reason("llama/q4_0/cuda-emu/tp2-shm/off", &built), None);
+        assert_eq!(
+            reason("llama/q4_0/cuda-emu/tp2-pcie/off", &built).as_deref(),
+            Some("topology pcie needs CUDA devices")
+        );
+        let missing = MachineCaps {
+            cuda_emu_missing: Some("CUDA emulator not built: cargo xtask cuda-emu".into()),
+            ..built.clone()
+        };
+        assert_eq!(
+            reason("llama/q4_0/cuda-emu/tp1-shm/off", &missing).as_deref(),
+            Some("CUDA emulator not built: cargo xtask cuda-emu")
+        );
+        let no_feature = MachineCaps {
+            engine: EngineCaps::default(),
+            ..built
+        };
+        assert_eq!(
+            reason("llama/q4_0/cuda-emu/tp1-shm/off", &no_feature).as_deref(),
+            Some("engine built without the `cuda` feature")
+        );
+    }
+
+    #[test]
     fn matrix_stays_small_and_names_are_unique() {
         let m = avx2_box();
         let cases = Matrix::enumerate(&models(), &m);
         // Base: (1 + 3 + 2) weight types × 3 CPU backends = 18. Extended (gemma3-270m, llama):
         // 6 CUDA + 3 CPU TP + 6 CUDA TP (sm90 stand-in) + 4 spec (CPU b8k4 and b16k4, TP2,
         // CUDA) + 1 serve = 20 each. Paths: chunked and decode of every model's first weight
-        // type on the best CPU backend, 2 × 3.
-        assert_eq!(cases.len(), 18 + 2 * 20 + 2 * 3);
+        // type on the best CPU backend, 2 × 3. Emulated CUDA: every model × weight type (6), the
+        // fixtures' paths (2 × 2), speculation and TP 2 of the extended fixture (2).
+        assert_eq!(cases.len(), 18 + 2 * 20 + 2 * 3 + 6 + 4 + 2);
         let names: std::collections::BTreeSet<String> = cases.iter().map(Case::name).collect();
         assert_eq!(names.len(), cases.len());
         for n in [
@@ -595,6 +682,11 @@ mod tests {
             "gemma3-270m/q4_k_m/cpu-avx2/tp1-shm/chunked",
             "gemma3/q4_k/cpu-avx2/tp1-shm/decode",
             "llama/q4_0/cpu-avx2/tp4-shm/off",
+            "gemma3-270m/q4_k_m/cuda-emu/tp1-shm/off",
+            "gemma3/f32/cuda-emu/tp1-shm/off",
+            "gemma3/q4_k/cuda-emu/tp1-shm/chunked",
+            "llama/q4_0/cuda-emu/tp1-shm/tree-b8k4",
+            "llama/q4_0/cuda-emu/tp2-shm/off",
         ] {
             assert!(names.contains(n), "{n}");
         }
@@ -603,6 +695,7 @@ mod tests {
         assert!(cases
             .iter()
             .filter(|c| c.model == "gemma3" || c.weights == "f16")
+            .filter(|c| c.backend != Backend::CudaEmu)
             .all(|c| !c.backend.is_cuda()
                 && c.tp == 1
                 && match c.spec {
@@ -610,6 +703,11 @@ mod tests {
                     Spec::Chunked | Spec::Decode => c.weights != "f16",
                     _ => false,
                 }));
+        // The real model runs on the emulator teacher-forced only.
+        assert!(cases
+            .iter()
+            .filter(|c| c.backend == Backend::CudaEmu && c.model == "gemma3-270m")
+            .all(|c| c.spec == Spec::Off && c.tp == 1));
         // Every case can be named and parsed back.
         assert!(cases.iter().all(|c| case(&c.name()) == *c));
     }

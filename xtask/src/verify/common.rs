@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use anyhow::{anyhow, Result};
+use anyhow::{anyhow, bail, Result};
 use engine::exec::Device;
 use harness::cases::Backend;
 use harness::coherence;
@@ -30,6 +30,17 @@ pub struct Budget {
 }
 
 impl Budget {
+    /// [`Budget::for_model`] for a case on `backend`: on the emulated CUDA device the greedy
+    /// continuation stops at the tokens the greedy gate compares (each decode step of the real
+    /// model costs the emulator seconds); the reference's side is the same for every backend.
+    pub fn for_case(real: bool, backend: Backend) -> Budget {
+        let mut b = Budget::for_model(real);
+        if backend == Backend::CudaEmu {
+            b.n_generate = b.n_greedy;
+        }
+        b
+    }
+
     pub fn for_model(real: bool) -> Budget {
         if real {
             Budget {
@@ -51,8 +62,16 @@ impl Budget {
 
 /// The device a case's backend names, with the case's threads.
 pub fn device_of(backend: Backend, threads: usize) -> Result<Device> {
-    let isa = isa_of(backend).ok_or_else(|| anyhow!("{backend} is not a CPU backend"))?;
-    Ok(Device::cpu_with(Some(isa), Some(threads)))
+    match backend {
+        Backend::CudaEmu => Ok(Device::CudaEmu {
+            dir: Some(crate::cuda_emu::dir()),
+        }),
+        Backend::Cuda { sm } => bail!("cuda-sm{sm}: a CUDA device case needs the device's ordinal"),
+        _ => {
+            let isa = isa_of(backend).ok_or_else(|| anyhow!("{backend} is not a CPU backend"))?;
+            Ok(Device::cpu_with(Some(isa), Some(threads)))
+        }
+    }
 }
 
 pub fn isa_of(backend: Backend) -> Option<Isa> {
@@ -60,7 +79,7 @@ pub fn isa_of(backend: Backend) -> Option<Isa> {
         Backend::CpuScalar => Some(Isa::Scalar),
         Backend::CpuAvx2 => Some(Isa::Avx2),
         Backend::CpuAvx512 => Some(Isa::Avx512),
-        Backend::Cuda { .. } => None,
+        Backend::Cuda { .. } | Backend::CudaEmu => None,
     }
 }
 

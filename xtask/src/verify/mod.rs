@@ -26,7 +26,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use harness::cases::{EngineCaps, Filter, MachineCaps, Matrix};
+use harness::cases::{Backend, EngineCaps, Filter, MachineCaps, Matrix};
 use harness::report::{CaseResult, Report};
 use harness::throughput::{Baselines, BASELINES_PATH};
 use harness::tolerance::TolerancePolicy;
@@ -109,6 +109,7 @@ fn machine_caps() -> MachineCaps {
         avx512: caps.has_isa(Isa::Avx512),
         cuda_archs: caps.cuda_devices.iter().map(|d| d.arch).collect(),
         nvlink: false,
+        cuda_emu_missing: None,
         engine: EngineCaps {
             cuda: caps.cuda_backend,
             tensor_parallel: caps.tensor_parallel,
@@ -128,6 +129,10 @@ pub fn verify(args: &Args) -> Result<Report> {
     let cases = filter.apply(all);
     if cases.is_empty() {
         bail!("no case matches the filters");
+    }
+    if machine.engine.cuda && cases.iter().any(|c| c.backend == Backend::CudaEmu) {
+        // Built (or brought up to date) only when an emulated case is selected.
+        machine.cuda_emu_missing = crate::cuda_emu::missing();
     }
     let threads = args
         .threads
@@ -158,7 +163,7 @@ pub fn verify(args: &Args) -> Result<Report> {
         let env = common::CaseEnv {
             path,
             real,
-            budget: common::Budget::for_model(real),
+            budget: common::Budget::for_case(real, case.backend),
             threads,
             policy: &policy,
             baselines: &baselines,
