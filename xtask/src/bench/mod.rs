@@ -49,6 +49,10 @@ pub struct Args {
     /// plumbline's instruction set (default: the widest this CPU has)
     #[arg(long)]
     pub isa: Option<String>,
+    /// plumbline's device: cpu (default), cuda, cuda:N or cuda-emu. On a CUDA device the
+    /// thread counts do not apply (one pass) and llama.cpp (a CPU build) is not run
+    #[arg(long, default_value = "cpu")]
+    pub device: Device,
     /// Run plumbline alone (no llama.cpp build or run)
     #[arg(long)]
     pub no_peer: bool,
@@ -168,7 +172,13 @@ pub fn run(args: Args) -> Result<()> {
             .with_context(|| format!("unknown ISA {name:?}; expected scalar, avx2 or avx512"))?,
         None => Isa::detect(),
     };
-    let peer = if args.no_peer {
+    let on_cpu = matches!(args.device, Device::Cpu { .. });
+    let thread_counts: Vec<usize> = if on_cpu {
+        args.threads.clone()
+    } else {
+        vec![1]
+    };
+    let peer = if args.no_peer || !on_cpu {
         None
     } else {
         Some(peer::llama_bench()?)
@@ -188,7 +198,7 @@ pub fn run(args: Args) -> Result<()> {
     let mut ids = Ids(0x005E_ED0F_B3AC);
     let mut rows = Vec::new();
     let mut bandwidth = Vec::new();
-    for &threads in &args.threads {
+    for &threads in &thread_counts {
         eprintln!("bench: read bandwidth at {threads} thread(s)");
         let bw = throughput::measure_memory_bandwidth_with(
             throughput::DEFAULT_BANDWIDTH_BUFFER,
@@ -196,7 +206,11 @@ pub fn run(args: Args) -> Result<()> {
             threads,
         )
         .context("measuring read bandwidth")?;
-        let device = Device::cpu_with(Some(isa), Some(threads));
+        let device = if on_cpu {
+            Device::cpu_with(Some(isa), Some(threads))
+        } else {
+            args.device.clone()
+        };
         let engine = exec::open(&model, &device, &Topology::single())
             .with_context(|| format!("opening the model on {device}"))?;
         let pp_tokens = ids.tokens(bos, args.pp, n_vocab);
@@ -223,7 +237,8 @@ pub fn run(args: Args) -> Result<()> {
             let plumbline = Stat::new(ours);
             let llama_cpp = peer.as_ref().map(|_| Stat::new(theirs));
             let ratio = llama_cpp.as_ref().map(|l| plumbline.mean / l.mean);
-            let roofline = matches!(test, peer::Test::Gen(_))
+            // The CPU's read bandwidth bounds a CPU's decode only.
+            let roofline = (on_cpu && matches!(test, peer::Test::Gen(_)))
                 .then(|| {
                     throughput::roofline_fraction(
                         bytes_per_token as f64,
@@ -245,7 +260,11 @@ pub fn run(args: Args) -> Result<()> {
     }
     let report = Report {
         model: path.display().to_string(),
-        isa: isa.name().to_owned(),
+        isa: if on_cpu {
+            format!("cpu-{}", isa.name())
+        } else {
+            args.device.to_string()
+        },
         peer: peer.map(|p| {
             format!(
                 "llama.cpp (llama-cpp-python {} sdist) {}",
@@ -268,7 +287,7 @@ fn markdown(r: &Report) -> String {
     let _ = writeln!(s, "# cargo xtask bench\n");
     let _ = writeln!(
         s,
-        "model `{}`, plumbline cpu-{}, {} alternating reps after warm-up; tok/s mean ± sd\n",
+        "model `{}`, plumbline on {}, {} alternating reps after warm-up; tok/s mean ± sd\n",
         r.model, r.isa, r.reps
     );
     let _ = writeln!(
