@@ -111,19 +111,70 @@ enum State : uint8_t { READY, WAIT_BAR, WAIT_WARP, DONE };
 
 struct Worker;
 
+// Fiber stacks: every stack of every worker is one power-of-two slot of a single reserved arena,
+// a guard page at the bottom of each, so that kernel code finds its fiber from the stack
+// pointer alone (slot = (sp - arena) / slot size; no thread-local lookup on the hot path). The
+// top of each stack is offset by a per-fiber amount: stacks aligned alike would put every
+// fiber's saved registers in the same cache sets.
+static size_t stack_bytes() {
+    static const size_t s = [] {
+        size_t want = (size_t)env_long("PLUMBLINE_CUDA_EMU_STACK_KB", 128) * 1024;
+#ifdef __SANITIZE_ADDRESS__
+        want *= 4;
+#endif
+        size_t p = 64 * 1024;
+        while (p < want) p <<= 1;
+        return p;
+    }();
+    return s;
+}
+static const size_t GUARD = 4096;
+static const unsigned MAX_THREADS = 1024;
+static const unsigned MAX_WORKERS = 256;
+
 struct Fiber {
     ThreadInfo info{};
     Worker* worker = nullptr;
-    void* sp = nullptr;  // asm switch: saved stack pointer
-    ucontext_t uc{};     // ucontext switch
-    char* stack = nullptr;
-    size_t stack_size = 0;
+    void* sp = nullptr;         // asm switch: saved stack pointer
+    ucontext_t* uc = nullptr;   // ucontext switch
+    char* base = nullptr;       // the stack slot (guard page first)
+    size_t color = 0;           // bytes left free at the top of the slot
     State state = READY;
     bool dirty = true;  // context must be (re)built before the next resume
-    // The pending warp operation of this lane.
-    uint64_t value = 0, result = 0;
-    int arg = 0;
 };
+
+static char* g_arena = nullptr;
+static Fiber** g_fiber_of_slot = nullptr;
+static unsigned g_slot_shift = 0;
+static std::atomic<unsigned> g_workers{0};
+
+static void reserve_arena() {
+    static std::once_flag once;
+    std::call_once(once, [] {
+        size_t s = stack_bytes();
+        size_t slots = (size_t)MAX_WORKERS * MAX_THREADS;
+        void* a = mmap(nullptr, slots * s + s, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        void* t = mmap(nullptr, slots * sizeof(Fiber*), PROT_READ | PROT_WRITE,
+                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        if (a == MAP_FAILED || t == MAP_FAILED) {
+            fprintf(stderr, "plumbline CUDA emulator: cannot reserve the fiber stack arena\n");
+            abort();
+        }
+        g_arena = (char*)(((uintptr_t)a + s - 1) & ~(uintptr_t)(s - 1));
+        g_fiber_of_slot = (Fiber**)t;
+        while (((size_t)1 << g_slot_shift) < s) g_slot_shift++;
+    });
+}
+
+static inline Fiber* fiber_of_stack() {
+    uintptr_t sp;
+#if defined(__x86_64__)
+    asm volatile("movq %%rsp, %0" : "=r"(sp));
+#else
+    sp = (uintptr_t)__builtin_frame_address(0);
+#endif
+    return g_fiber_of_slot[(sp - (uintptr_t)g_arena) >> g_slot_shift];
+}
 
 struct WarpState {
     unsigned pending = 0;  // lanes arrived at the pending operation
@@ -133,6 +184,9 @@ struct WarpState {
     void* site = nullptr;
     unsigned done = 0;    // lanes that exited
     unsigned exists = 0;  // lanes that exist (a partial last warp has fewer)
+    int arg[32];
+    uint64_t value[32];
+    uint64_t result[32];
 };
 
 struct LaunchState {
@@ -153,7 +207,8 @@ struct LaunchState {
 static void fiber_entry(Fiber* f);
 
 struct Worker {
-    std::vector<std::unique_ptr<Fiber>> fibers;
+    Fiber fibers[MAX_THREADS];
+    unsigned n_stacks = 0;  // fibers[0 .. n_stacks) have a stack
     BlockInfo block{};
     LaunchState* launch = nullptr;
     unsigned n = 0;  // threads in the block
@@ -171,7 +226,6 @@ struct Worker {
     volatile sig_atomic_t in_kernel = 0;
     char fault_msg[1024];
     uint64_t rng = 0;  // nonzero: randomized fiber order
-    size_t stack_size;
     char* altstack = nullptr;
 #ifdef __SANITIZE_ADDRESS__
     void* fake_stack = nullptr;
@@ -179,62 +233,64 @@ struct Worker {
     size_t main_stack_size = 0;
 #endif
 
+    unsigned index;
+
     Worker() {
-        stack_size = (size_t)env_long("PLUMBLINE_CUDA_EMU_STACK_KB", 64) * 1024;
-#ifdef __SANITIZE_ADDRESS__
-        stack_size *= 4;
-#endif
         long seed = env_long("PLUMBLINE_CUDA_EMU_SHUFFLE", 0);
         if (seed) rng = (uint64_t)seed * 0x9E3779B97F4A7C15ull | 1;
+        for (auto& f : fibers) f.worker = this;
+        reserve_arena();
+        index = g_workers.fetch_add(1);
+        if (index >= MAX_WORKERS) {
+            fprintf(stderr, "plumbline CUDA emulator: more than %u threads launched kernels\n", MAX_WORKERS);
+            abort();
+        }
     }
 
-    ~Worker() {
-        for (auto& f : fibers)
-            if (f->stack) munmap(f->stack - 4096, f->stack_size + 4096);
-        if (altstack) munmap(altstack, SIGSTKSZ * 4);
-    }
-
-    Fiber* fiber(unsigned i) {
-        while (fibers.size() <= i) {
-            auto f = std::make_unique<Fiber>();
-            f->worker = this;
-            size_t total = stack_size + 4096;
-            void* m = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
-                           -1, 0);
-            if (m == MAP_FAILED) {
+    // Stacks for fibers [0, n).
+    void ensure_stacks(unsigned n) {
+        size_t s = stack_bytes();
+        while (n_stacks < n) {
+            Fiber& f = fibers[n_stacks];
+            size_t slot = (size_t)index * MAX_THREADS + n_stacks;
+            char* b = g_arena + slot * s;
+            if (mprotect(b + GUARD, s - GUARD, PROT_READ | PROT_WRITE) != 0) {
                 fprintf(stderr, "plumbline CUDA emulator: cannot map a fiber stack\n");
                 abort();
             }
-            mprotect(m, 4096, PROT_NONE);  // guard page below the stack
-            f->stack = (char*)m + 4096;
-            f->stack_size = stack_size;
-            fibers.push_back(std::move(f));
+            g_fiber_of_slot[slot] = &f;
+            f.base = b;
+            f.color = 64 + (n_stacks % 64) * 64 + ((n_stacks / 64) % 4) * 4096;
+            f.dirty = true;
+            n_stacks++;
         }
-        return fibers[i].get();
     }
+
+    char* stack_lo(const Fiber* f) const { return f->base + GUARD; }
+    size_t stack_len(const Fiber* f) const { return stack_bytes() - GUARD - f->color; }
 };
 
 static thread_local Worker* tls_worker = nullptr;
-static thread_local Fiber* tls_fiber = nullptr;
 
 static Worker* this_worker() {
     if (!tls_worker) tls_worker = new Worker();  // lives as long as its thread; never freed
     return tls_worker;
 }
 
-static void reset_context(Fiber* f) {
+static void reset_context(Worker* w, Fiber* f) {
     if (use_ucontext()) {
-        getcontext(&f->uc);
-        f->uc.uc_stack.ss_sp = f->stack;
-        f->uc.uc_stack.ss_size = f->stack_size;
-        f->uc.uc_link = nullptr;
+        if (!f->uc) f->uc = new ucontext_t();
+        getcontext(f->uc);
+        f->uc->uc_stack.ss_sp = w->stack_lo(f);
+        f->uc->uc_stack.ss_size = w->stack_len(f);
+        f->uc->uc_link = nullptr;
         uintptr_t p = (uintptr_t)f;
-        makecontext(&f->uc, (void (*)())(void*)+[](unsigned lo, unsigned hi) {
+        makecontext(f->uc, (void (*)())(void*)+[](unsigned lo, unsigned hi) {
             fiber_entry((Fiber*)(((uintptr_t)hi << 32) | lo));
         }, 2, (unsigned)(p & 0xffffffffu), (unsigned)(p >> 32));
     } else {
 #if PLUMBLINE_EMU_HAVE_ASM_SWITCH
-        uintptr_t top = ((uintptr_t)f->stack + f->stack_size) & ~(uintptr_t)15;
+        uintptr_t top = ((uintptr_t)f->base + stack_bytes() - f->color) & ~(uintptr_t)15;
         void** sp = (void**)(top - 72);
         sp[0] = nullptr;                      // r15
         sp[1] = nullptr;                      // r14
@@ -253,17 +309,16 @@ static void reset_context(Fiber* f) {
 
 // Switch from `from` (nullptr: the worker's own context) to `to` (nullptr: the worker's own).
 static inline void switch_to(Worker* w, Fiber* from, Fiber* to) {
-    tls_fiber = to;
     w->cur = to;
 #ifdef __SANITIZE_ADDRESS__
     void** fake = from ? nullptr : &w->fake_stack;
     if (to)
-        __sanitizer_start_switch_fiber(fake, to->stack, to->stack_size);
+        __sanitizer_start_switch_fiber(fake, w->stack_lo(to), w->stack_len(to));
     else
         __sanitizer_start_switch_fiber(nullptr, w->main_stack_bottom, w->main_stack_size);
 #endif
     if (use_ucontext()) {
-        swapcontext(from ? &from->uc : &w->main_uc, to ? &to->uc : &w->main_uc);
+        swapcontext(from ? from->uc : &w->main_uc, to ? to->uc : &w->main_uc);
     } else {
 #if PLUMBLINE_EMU_HAVE_ASM_SWITCH
         plumbline_emu_swap(from ? &from->sp : &w->main_sp, to ? to->sp : w->main_sp);
@@ -311,7 +366,7 @@ static std::string lanes_text(unsigned m) {
 [[noreturn]] static void fail_block(Worker* w, Fiber* f, const std::string& msg) {
     w->error = msg;
     for (unsigned i = 0; i < w->n; i++)
-        if (w->fibers[i]->state != DONE) w->fibers[i]->dirty = true;
+        if (w->fibers[i].state != DONE) w->fibers[i].dirty = true;
     f->dirty = true;
     switch_to(w, f, nullptr);
     __builtin_unreachable();
@@ -321,7 +376,7 @@ static std::string describe_waiters(Worker* w) {
     std::string s;
     unsigned at_bar = 0, done = 0;
     for (unsigned i = 0; i < w->n; i++) {
-        State st = w->fibers[i]->state;
+        State st = w->fibers[i].state;
         if (st == WAIT_BAR) at_bar++;
         if (st == DONE) done++;
     }
@@ -350,7 +405,7 @@ static Fiber* pick_next(Worker* w, unsigned from) {
         unsigned i = start + k;
         if (i >= n) i -= n;
         if (i >= n) i %= n;
-        Fiber* f = w->fibers[i].get();
+        Fiber* f = &w->fibers[i];
         if (f->state == READY) return f;
     }
     return nullptr;
@@ -365,7 +420,7 @@ static void block_on(Worker* w, Fiber* f, const char* what) {
                        "barrier or warp operation that some threads never reach (divergent code)",
                        where(w, f).c_str(), what, describe_waiters(w).c_str()));
     }
-    if (next->dirty) reset_context(next);
+    if (next->dirty) reset_context(w, next);
     switch_to(w, f, next);
 }
 
@@ -400,7 +455,7 @@ static void fiber_entry(Fiber* f) {
                        fmt("deadlock after %s exited: no thread of the block can go on (%s)",
                            where(w, f).c_str(), describe_waiters(w).c_str()));
         }
-        if (next && next->dirty) reset_context(next);
+        if (next && next->dirty) reset_context(w, next);
         switch_to(w, f, next);
     }
 }
@@ -414,22 +469,23 @@ static const char* warp_op_name(int op);
 }
 
 extern "C" __attribute__((visibility("default"))) const ThreadInfo* plumblineEmuSelf(void) {
-    return &tls_fiber->info;
+    return &fiber_of_stack()->info;
 }
 
 extern "C" __attribute__((visibility("default"))) const BlockInfo* plumblineEmuBlock(void) {
-    return &tls_worker->block;
+    return &fiber_of_stack()->worker->block;
 }
 
 extern "C" __attribute__((visibility("default"), noreturn)) void plumblineEmuTrap(const char* msg) {
-    Worker* w = tls_worker;
-    fail_block(w, tls_fiber, fmt("%s: %s", where(w, tls_fiber).c_str(), msg));
+    Fiber* f = fiber_of_stack();
+    Worker* w = f->worker;
+    fail_block(w, f, fmt("%s: %s", where(w, f).c_str(), msg));
 }
 
 extern "C" __attribute__((visibility("default"), noinline)) void plumblineEmuSyncthreads(void) {
     void* site = __builtin_return_address(0);
-    Worker* w = tls_worker;
-    Fiber* f = tls_fiber;
+    Fiber* f = fiber_of_stack();
+    Worker* w = f->worker;
     if (w->n_done > 0) {
         fail_block(w, f,
                    fmt("%s reached __syncthreads after %u threads of the block exited: a barrier "
@@ -454,7 +510,7 @@ extern "C" __attribute__((visibility("default"), noinline)) void plumblineEmuSyn
     if (++w->bar_arrived == w->n) {
         w->bar_arrived = 0;
         for (unsigned i = 0; i < w->n; i++) {
-            Fiber* o = w->fibers[i].get();
+            Fiber* o = &w->fibers[i];
             if (o->state == WAIT_BAR) o->state = READY;
         }
         return;  // the last thread goes on
@@ -496,8 +552,8 @@ static int shfl_src(int op, int l, int arg, int width) {
 extern "C" __attribute__((visibility("default"), noinline)) uint64_t plumblineEmuWarp(
     int op, unsigned mask, uint64_t value, int arg, int width) {
     void* site = __builtin_return_address(0);
-    Worker* w = tls_worker;
-    Fiber* f = tls_fiber;
+    Fiber* f = fiber_of_stack();
+    Worker* w = f->worker;
     WarpState& ws = w->warps[f->info.warp];
     unsigned bit = 1u << f->info.lane;
     const char* name = warp_op_name(op);
@@ -536,46 +592,47 @@ extern "C" __attribute__((visibility("default"), noinline)) uint64_t plumblineEm
                        where(w, f).c_str(), f->info.lane, name, mask, site,
                        lanes_text(ws.pending).c_str(), warp_op_name(ws.op), ws.mask, ws.site));
     }
-    f->value = value;
-    f->arg = arg;
+    unsigned l = f->info.lane;
+    ws.value[l] = value;
+    ws.arg[l] = arg;
     ws.pending |= bit;
     if (ws.pending != ws.mask) {
         f->state = WAIT_WARP;
         block_on(w, f, name);
-        return f->result;
+        return ws.result[l];
     }
     // The last lane: compute every lane's result, release them, go on.
-    Fiber** lanes = reinterpret_cast<Fiber**>(__builtin_alloca(sizeof(Fiber*) * 32));
-    unsigned base = f->info.warp * 32;
-    uint64_t ballot = 0;
-    for (unsigned l = 0; l < 32; l++) {
-        lanes[l] = ((mask >> l) & 1u) ? w->fibers[base + l].get() : nullptr;
-        if (lanes[l] && lanes[l]->value) ballot |= 1ull << l;
-    }
-    for (unsigned l = 0; l < 32; l++) {
-        Fiber* o = lanes[l];
-        if (!o) continue;
-        switch (op) {
-            case WARP_BALLOT: o->result = ballot; break;
-            case WARP_ANY: o->result = ballot != 0; break;
-            case WARP_ALL: o->result = ballot == mask; break;
-            case WARP_SYNC: o->result = 0; break;
-            default: {
-                int s = shfl_src(op, (int)l, o->arg, width);
-                if (!((mask >> s) & 1u)) {
-                    fail_block(w, f,
-                               fmt("%s: %s: lane %u reads lane %d, which is not in the mask "
-                                   "0x%08x",
-                                   where(w, f).c_str(), name, l, s, mask));
-                }
-                o->result = lanes[s]->value;
-            }
+    Fiber* lanes = &w->fibers[f->info.warp * 32];
+    if (op >= WARP_BALLOT) {
+        uint64_t ballot = 0;
+        for (unsigned k = 0; k < 32; k++)
+            if (((mask >> k) & 1u) && ws.value[k]) ballot |= 1ull << k;
+        uint64_t r = op == WARP_BALLOT ? ballot : op == WARP_ANY ? ballot != 0 : op == WARP_ALL ? ballot == mask : 0;
+        for (unsigned k = 0; k < 32; k++) ws.result[k] = r;
+    } else if (mask == 0xffffffffu && op == WARP_SHFL_XOR && width == 32 && arg > 0 && arg < 32) {
+        // The common case (warp reductions): every lane, one xor distance.
+        for (unsigned k = 0; k < 32; k++) {
+            if (ws.arg[k] != arg) goto general;
+            ws.result[k] = ws.value[k ^ (unsigned)arg];
         }
-        if (o != f) o->state = READY;
+    } else {
+    general:
+        for (unsigned k = 0; k < 32; k++) {
+            if (!((mask >> k) & 1u)) continue;
+            int s = shfl_src(op, (int)k, ws.arg[k], width);
+            if (!((mask >> s) & 1u)) {
+                fail_block(w, f,
+                           fmt("%s: %s: lane %u reads lane %d, which is not in the mask 0x%08x",
+                               where(w, f).c_str(), name, k, s, mask));
+            }
+            ws.result[k] = ws.value[s];
+        }
     }
+    for (unsigned k = 0; k < 32; k++)
+        if ((mask >> k) & 1u) lanes[k].state = READY;
     ws.mask = 0;
     ws.pending = 0;
-    return f->result;
+    return ws.result[l];
 }
 
 namespace plumbline_emu {
@@ -590,13 +647,13 @@ static void fault_handler(int sig, siginfo_t* si, void* uctx) {
         char near[512];
         uintptr_t a = (uintptr_t)si->si_addr;
         describe_address(a, near, sizeof near);
-        for (auto& fb : w->fibers)
-            if (a >= (uintptr_t)fb->stack - 4096 && a < (uintptr_t)fb->stack)
+        for (unsigned i = 0; i < w->n_stacks; i++)
+            if (a >= (uintptr_t)w->fibers[i].base && a < (uintptr_t)w->fibers[i].base + GUARD)
                 snprintf(near, sizeof near,
                          "the guard page below a thread's stack: stack overflow (%zu KiB per "
                          "thread; PLUMBLINE_CUDA_EMU_STACK_KB sets it)",
-                         fb->stack_size / 1024);
-        const Fiber* f = tls_fiber;
+                         stack_bytes() / 1024);
+        const Fiber* f = w->cur;
         const BlockInfo& b = w->block;
         const char* kind = sig == SIGFPE ? "arithmetic fault (integer division by zero?)"
                            : sig == SIGBUS ? "bus error"
@@ -653,12 +710,12 @@ static void run_block(Worker* w, uint64_t linear_block) {
         ws.done = 0;
     }
     for (unsigned i = 0; i < n; i++) {
-        Fiber* f = w->fibers[i].get();
+        Fiber* f = &w->fibers[i];
         f->state = READY;
     }
     if (s.dyn_shared) std::fill(w->dyn_shared.begin(), w->dyn_shared.end(), (char)0xff);
-    Fiber* first = w->fibers[0].get();
-    if (first->dirty) reset_context(first);
+    Fiber* first = &w->fibers[0];
+    if (first->dirty) reset_context(w, first);
     w->error.clear();
     switch_to(w, nullptr, first);
     if (!w->error.empty()) w->launch->fail(w->error);
@@ -673,10 +730,10 @@ static void prepare_worker(Worker* w, LaunchState* L) {
     w->dyn_shared.assign(std::max(1u, s.dyn_shared), (char)0xff);
     w->block.dyn_shared = s.dyn_shared ? w->dyn_shared.data() : nullptr;
     w->block.dyn_shared_bytes = s.dyn_shared;
-    w->fiber(w->n - 1);  // fibers and stacks for every thread
+    w->ensure_stacks(w->n);
     unsigned bx = s.block.x, by = s.block.y;
     for (unsigned i = 0; i < w->n; i++) {
-        Fiber* f = w->fibers[i].get();
+        Fiber* f = &w->fibers[i];
         f->info.tid = {i % bx, i / bx % by, i / (bx * by)};
         f->info.linear = i;
         f->info.lane = i % 32;
@@ -716,7 +773,7 @@ static void work(LaunchState* L) {
 #endif
     if (sigsetjmp(w->jb, 1) != 0) {
         w->in_kernel = 0;
-        for (unsigned i = 0; i < w->n; i++) w->fibers[i]->dirty = true;
+        for (unsigned i = 0; i < w->n; i++) w->fibers[i].dirty = true;
         L->fail(w->fault_msg);
     } else {
         for (;;) {
