@@ -31,6 +31,9 @@ CUDA=$(dirname "$HERE")
 CXX=${CXX:-g++}
 mkdir -p "$OUT/obj" "$OUT/gen"
 OUT=$(cd "$OUT" && pwd)
+# One build at a time per output folder (test processes run in parallel).
+exec 9>"$OUT/.lock"
+flock 9
 
 FLAGS=(-std=c++20 -O2 -g -fPIC -pthread -fvisibility=hidden -I"$HERE" -I"$CUDA")
 # TLS descriptors: the kernels' `__shared__` (thread_local) arrays are reached without a call

@@ -232,7 +232,7 @@ static const unsigned char CANARY = 0xA5;
 
 static void describe_locked(uintptr_t addr, char* out, size_t n);
 
-static size_t natural_alignment(size_t size) {
+[[maybe_unused]] static size_t natural_alignment(size_t size) {
     size_t a = size & (~size + 1);  // lowest set bit
     return std::min<size_t>(a ? a : 256, 256);
 }
@@ -249,7 +249,8 @@ static CUresult mem_alloc(CUdeviceptr* out, size_t size) {
     }
 #ifdef __SANITIZE_ADDRESS__
     // Under AddressSanitizer its redzones and quarantine check every access exactly.
-    void* p = aligned_alloc(256, (size + 255) / 256 * 256);
+    void* p = nullptr;  // exactly `size` bytes: ASan's redzone starts right after them
+    if (posix_memalign(&p, 256, size) != 0) p = nullptr;
     if (!p) return fail(E_OUT_OF_MEMORY, "cuMemAlloc of %zu bytes: host allocation failed", size);
     memset(p, 0xff, size);
     Alloc a{next_id++, (uintptr_t)p, size, (char*)p, 0, false};
@@ -375,8 +376,17 @@ static void describe_locked(uintptr_t addr, char* out, size_t n) {
             best_d = d;
         }
     }
+    if (addr < 65536) {
+        snprintf(out, n, "a null pointer (plus %zu)", (size_t)addr);
+        return;
+    }
     if (!best) {
         snprintf(out, n, "no device allocation exists");
+        return;
+    }
+    if (best_d > ((uintptr_t)1 << 20)) {
+        snprintf(out, n, "not near any device allocation (the nearest, #%llu, is %zu MiB away)",
+                 (unsigned long long)best->id, (size_t)(best_d >> 20));
         return;
     }
     const char* st = best->freed ? "freed " : "";

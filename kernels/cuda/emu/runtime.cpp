@@ -39,6 +39,7 @@
 #include "emu.h"
 
 #ifdef __SANITIZE_ADDRESS__
+#include <sanitizer/asan_interface.h>
 #include <sanitizer/common_interface_defs.h>
 #endif
 
@@ -141,6 +142,7 @@ struct Fiber {
     size_t color = 0;           // bytes left free at the top of the slot
     State state = READY;
     bool dirty = true;  // context must be (re)built before the next resume
+    void* asan_fake = nullptr;  // AddressSanitizer's fake stack of this fiber while it is away
 };
 
 static char* g_arena = nullptr;
@@ -278,6 +280,10 @@ static Worker* this_worker() {
 }
 
 static void reset_context(Worker* w, Fiber* f) {
+#ifdef __SANITIZE_ADDRESS__
+    // A fiber abandoned mid-kernel (a failed block) left its frames' redzones poisoned.
+    __asan_unpoison_memory_region(w->stack_lo(f), w->stack_len(f));
+#endif
     if (use_ucontext()) {
         if (!f->uc) f->uc = new ucontext_t();
         getcontext(f->uc);
@@ -311,11 +317,11 @@ static void reset_context(Worker* w, Fiber* f) {
 static inline void switch_to(Worker* w, Fiber* from, Fiber* to) {
     w->cur = to;
 #ifdef __SANITIZE_ADDRESS__
-    void** fake = from ? nullptr : &w->fake_stack;
+    void** fake = from ? &from->asan_fake : &w->fake_stack;
     if (to)
         __sanitizer_start_switch_fiber(fake, w->stack_lo(to), w->stack_len(to));
     else
-        __sanitizer_start_switch_fiber(nullptr, w->main_stack_bottom, w->main_stack_size);
+        __sanitizer_start_switch_fiber(fake, w->main_stack_bottom, w->main_stack_size);
 #endif
     if (use_ucontext()) {
         swapcontext(from ? from->uc : &w->main_uc, to ? to->uc : &w->main_uc);
@@ -325,10 +331,7 @@ static inline void switch_to(Worker* w, Fiber* from, Fiber* to) {
 #endif
     }
 #ifdef __SANITIZE_ADDRESS__
-    if (from)
-        __sanitizer_finish_switch_fiber(nullptr, nullptr, nullptr);
-    else
-        __sanitizer_finish_switch_fiber(w->fake_stack, &w->main_stack_bottom, &w->main_stack_size);
+    __sanitizer_finish_switch_fiber(from ? from->asan_fake : w->fake_stack, nullptr, nullptr);
 #endif
 }
 
@@ -427,6 +430,9 @@ static void block_on(Worker* w, Fiber* f, const char* what) {
 static const char* warp_op_name(int op);
 
 static void fiber_entry(Fiber* f) {
+#ifdef __SANITIZE_ADDRESS__
+    __sanitizer_finish_switch_fiber(nullptr, nullptr, nullptr);  // a fresh fiber's first run
+#endif
     for (;;) {
         Worker* w = f->worker;
         w->launch->spec->kernel->run(w->launch->spec->params);
