@@ -45,9 +45,14 @@ fn build(asan: bool) -> &'static Path {
 }
 
 fn selftest(asan: bool, args: &[&str]) -> Output {
+    selftest_env(asan, args, &[])
+}
+
+fn selftest_env(asan: bool, args: &[&str], env: &[(&str, &str)]) -> Output {
     let dir = build(asan);
     let mut cmd = Command::new(dir.join("emu_selftest"));
     cmd.args(args);
+    cmd.envs(env.iter().copied());
     // Leaks of device memory by the test program are not what these runs look for.
     cmd.env("ASAN_OPTIONS", "detect_leaks=0");
     cmd.output().expect("running emu_selftest")
@@ -55,6 +60,10 @@ fn selftest(asan: bool, args: &[&str]) -> Output {
 
 fn check(case: &str) {
     let o = selftest(false, &[case]);
+    check_output(case, o);
+}
+
+fn check_output(case: &str, o: Output) {
     let stdout = String::from_utf8_lossy(&o.stdout);
     assert!(
         o.status.success() && stdout.contains(&format!("ok {case}")),
@@ -115,9 +124,31 @@ fn every_selftest_case_has_a_test() {
         .map(str::to_string)
         .collect();
     let mut here: Vec<String> = CASES.iter().map(|s| s.to_string()).collect();
+    here.push("shuffled_order_reveals_a_race".into());
     listed.sort();
     here.sort();
     assert_eq!(listed, here);
+}
+
+/// `PLUMBLINE_CUDA_EMU_SHUFFLE` runs threads in a random order between scheduling points: a
+/// missing barrier that the default order hides shows up as stale reads.
+#[test]
+fn shuffled_order_reveals_a_race() {
+    let case = "shuffled_order_reveals_a_race";
+    let o = selftest_env(false, &[case], &[("PLUMBLINE_CUDA_EMU_SHUFFLE", "7")]);
+    check_output(case, o);
+}
+
+/// Every case passes with threads run in a random order (their results must not depend on it).
+#[test]
+fn every_case_in_a_random_order() {
+    let o = selftest_env(false, CASES, &[("PLUMBLINE_CUDA_EMU_SHUFFLE", "99")]);
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
 }
 
 /// A real kernel of kernels/cuda (mmv.cu's Q8_0 matrix-vector product) over a 1000-row

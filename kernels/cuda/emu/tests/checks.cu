@@ -111,3 +111,16 @@ __device__ __noinline__ u32 deep(volatile u32* p, u32 d) {
     return deep(p, d + 1) + pad[(d + 1) % 64] + p[0];
 }
 extern "C" __global__ void stack_overflow(u32* out) { out[0] = deep(out, 0); }
+
+// A missing barrier: each thread writes its slot, then reads its left neighbour's without a
+// __syncthreads in between. In the default order (each thread runs to its next scheduling point
+// in index order) the neighbour has always written already and the race hides;
+// PLUMBLINE_CUDA_EMU_SHUFFLE runs the threads in a random order, so that the stale value of the
+// previous launch shows up. With `sync` set the barrier is there and every read is fresh.
+extern "C" __global__ void racy_left_neighbour(u32* out, u32 tag, u32 sync) {
+    __shared__ u32 s[256];
+    u32 t = threadIdx.x;
+    s[t] = tag;
+    if (sync) __syncthreads();
+    out[t] = s[(t + blockDim.x - 1) % blockDim.x];
+}
