@@ -274,8 +274,33 @@ struct Worker {
 
 static thread_local Worker* tls_worker = nullptr;
 
+// Workers of threads that ended, kept for the next thread that launches (a worker owns stack
+// slots of the arena, of which there are MAX_WORKERS).
+static std::mutex spare_mu;
+static std::vector<Worker*> spare_workers;
+
+struct WorkerRelease {
+    ~WorkerRelease() {
+        if (!tls_worker) return;
+        std::lock_guard<std::mutex> g(spare_mu);
+        spare_workers.push_back(tls_worker);
+        tls_worker = nullptr;
+    }
+};
+static thread_local WorkerRelease tls_release;
+
 static Worker* this_worker() {
-    if (!tls_worker) tls_worker = new Worker();  // lives as long as its thread; never freed
+    if (!tls_worker) {
+        {
+            std::lock_guard<std::mutex> g(spare_mu);
+            if (!spare_workers.empty()) {
+                tls_worker = spare_workers.back();
+                spare_workers.pop_back();
+            }
+        }
+        if (!tls_worker) tls_worker = new Worker();
+        (void)&tls_release;  // constructed with the thread's first launch: releases at its end
+    }
     return tls_worker;
 }
 
