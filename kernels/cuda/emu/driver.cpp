@@ -1034,6 +1034,14 @@ EXPORT CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned 
     return OK;
 }
 
+// NVRTC opens the driver when one is loaded (by the soname libcuda.so.1, which finds the
+// emulator) and asks it for private interfaces by UUID. The emulator has none: it says so, and
+// NVRTC goes on without them (without this entry point it crashes).
+EXPORT CUresult cuGetExportTable(const void** table, const void* /*uuid*/) {
+    if (table) *table = nullptr;
+    return E_NOT_SUPPORTED;
+}
+
 // ---- error strings ------------------------------------------------------------------------
 
 EXPORT CUresult cuGetErrorName(int code, const char** out) {

@@ -1,26 +1,24 @@
-//! GPU tests: every CUDA kernel against its CPU twin (the `CpuBackend` op of the same name) on
-//! random data — every weight type, odd shapes and tails — and the whole real model against the
-//! CPU backend (which `cargo xtask verify` holds against the candle reference).
+//! The device suite: every CUDA kernel against its CPU twin (the `CpuBackend` op of the same
+//! name) on random data — every weight type, odd shapes and tails — and the whole real model
+//! against the CPU backend (which `cargo xtask verify` holds against the candle reference).
 //!
-//! They live in this `gpu` module, which the default nextest profile excludes; the `gpu`
-//! profile runs them one at a time and each FAILS when no device can be opened (a GPU runner
-//! without a usable GPU must not report green).
+//! Each test body takes the device; [`suite_tests!`] instantiates all of them for one: `gpu`
+//! (a real device; excluded from the default nextest profile, run by the `gpu` profile, and
+//! failing when no device opens) and `emu` (the CUDA emulator of kernels/cuda/emu, run
+//! everywhere).
 
 use std::borrow::Cow;
 
 use kernels::quant::GgmlType;
 
 use super::backend::{CudaBackend, CUDA_TYPES, GEMM_MIN_TOKENS};
+use crate::model::Model;
 use crate::model::{Activation, Gating, MoeConfig, RopeConfig, RopeStyle, Yarn};
 use crate::runtime::backend::{
     AttnMeta, Backend, CellMeta, KvDtype, KvSource, Mask, QueryMeta, Strided, WeightData,
 };
 use crate::runtime::sampling::{self, Rng, Sampler, SamplerConfig};
 use crate::runtime::CpuBackend;
-
-fn gpu() -> CudaBackend {
-    CudaBackend::open(0).unwrap_or_else(|e| panic!("the gpu tests need a CUDA device: {e}"))
-}
 
 fn cpu() -> CpuBackend {
     CpuBackend::new(None, Some(2)).unwrap_or_else(|e| panic!("{e}"))
@@ -80,9 +78,8 @@ fn wd(ty: GgmlType, k: usize, n_rows: usize, n_mats: usize, data: &[u8]) -> Weig
     }
 }
 
-#[test]
-fn matmul_of_every_weight_type_matches_the_cpu() {
-    let (g, c) = (gpu(), cpu());
+pub(super) fn matmul_of_every_weight_type_matches_the_cpu(g: CudaBackend) {
+    let c = cpu();
     // 37 rows (not a multiple of the 4 rows per block), k = 768 (three K-quant super-blocks,
     // 24 chunks: fewer than a warp's 32 lanes, so some lanes idle), and token counts on both
     // sides of the GEMM switch.
@@ -122,9 +119,8 @@ fn matmul_of_every_weight_type_matches_the_cpu() {
     }
 }
 
-#[test]
-fn expert_products_and_routing_match_the_cpu() {
-    let (g, c) = (gpu(), cpu());
+pub(super) fn expert_products_and_routing_match_the_cpu(g: CudaBackend) {
+    let c = cpu();
     let (ne, k, n_rows, kd, n_tok) = (12, 3, 21, 256, 5);
     let moe = MoeConfig {
         n_expert: ne,
@@ -197,9 +193,8 @@ fn expert_products_and_routing_match_the_cpu() {
     }
 }
 
-#[test]
-fn embedding_rows_of_every_type_match_the_cpu() {
-    let (g, c) = (gpu(), cpu());
+pub(super) fn embedding_rows_of_every_type_match_the_cpu(g: CudaBackend) {
+    let c = cpu();
     let (n_vocab, k) = (29, 512);
     let tokens = [0u32, 28, 5, 5, 17];
     for &ty in &CUDA_TYPES {
@@ -223,9 +218,8 @@ fn embedding_rows_of_every_type_match_the_cpu() {
     }
 }
 
-#[test]
-fn norms_rope_activations_and_elementwise_ops_match_the_cpu() {
-    let (g, c) = (gpu(), cpu());
+pub(super) fn norms_rope_activations_and_elementwise_ops_match_the_cpu(g: CudaBackend) {
+    let c = cpu();
     let (n_tok, heads, hd) = (5, 3, 80);
     let x = randn(n_tok * heads * hd, 21);
     let w = randn(hd, 22);
@@ -337,9 +331,19 @@ fn norms_rope_activations_and_elementwise_ops_match_the_cpu() {
 }
 
 /// A ragged batch of two sequences (one a draft tree) over committed and new cells.
-fn attention_case(mask: Mask, dtype: KvDtype) {
-    let (g, c) = (gpu(), cpu());
-    let (n_head, n_kv, dk, dv) = (4, 2, 72, 40);
+fn attention_case(g: CudaBackend, mask: Mask, dtype: KvDtype) {
+    attention_dims(&g, mask, dtype, (4, 2, 72, 40)).unwrap_or_else(|e| panic!("{e}"));
+}
+
+/// Attention with `(n_head, n_head_kv, head_dim_k, head_dim_v)` against the CPU (the kernel's
+/// error, if it refuses the shape).
+fn attention_dims(
+    g: &CudaBackend,
+    mask: Mask,
+    dtype: KvDtype,
+    (n_head, n_kv, dk, dv): (usize, usize, usize, usize),
+) -> Result<(), crate::runtime::RuntimeError> {
+    let c = cpu();
     let committed = 9;
     let queries: Vec<QueryMeta> = (0..6)
         .map(|i| QueryMeta {
@@ -390,7 +394,7 @@ fn attention_case(mask: Mask, dtype: KvDtype) {
         .unwrap_or_else(|e| panic!("{e}"));
     g.kv_reserve(&mut kg, n_cells)
         .unwrap_or_else(|e| panic!("{e}"));
-    g.kv_write(&mut kg, &all, &up(&g, &k), &up(&g, &v))
+    g.kv_write(&mut kg, &all, &up(g, &k), &up(g, &v))
         .unwrap_or_else(|e| panic!("{e}"));
     let mut kc = c
         .kv_new(n_kv * dk, n_kv * dv, dtype)
@@ -402,16 +406,15 @@ fn attention_case(mask: Mask, dtype: KvDtype) {
     let mut og = g
         .alloc(queries.len() * n_head * dv)
         .unwrap_or_else(|e| panic!("{e}"));
-    g.attention(&up(&g, &q), KvSource::Cache(&kg), &meta, &mut og)
-        .unwrap_or_else(|e| panic!("{e}"));
+    g.attention(&up(g, &q), KvSource::Cache(&kg), &meta, &mut og)?;
     let mut oc = vec![0f32; queries.len() * n_head * dv];
     c.attention(&q, KvSource::Cache(&kc), &meta, &mut oc)
         .unwrap_or_else(|e| panic!("{e}"));
     // Same f16 rounding of keys and values, same softmax (f64 sum), dot products summed in a
     // different order (~1e-6 relative on a score, amplified by exp at most by the score range
     // of ~8): 1e-4. A mask leak to one wrong cell moves outputs by ~1e-1.
-    let e = max_rel(&down(&g, &og), &oc);
-    assert!(e < 1e-4, "{mask:?} {dtype:?}: max rel {e:.3e}");
+    let e = max_rel(&down(g, &og), &oc);
+    assert!(e < 1e-4, "{mask:?} {dtype:?} dk {dk}: max rel {e:.3e}");
 
     // kv_read_k and kv_move (every source read before any destination written).
     let moves = [(10u32, 3u32), (3, 10), (14, 0)];
@@ -426,25 +429,42 @@ fn attention_case(mask: Mask, dtype: KvDtype) {
     c.kv_read_k(&kc, n_cells, &mut rc)
         .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(
-        down(&g, &rg),
+        down(g, &rg),
         rc,
         "kv_move + kv_read_k are exact ({dtype:?})"
     );
+    Ok(())
 }
 
-#[test]
-fn attention_causal_f16() {
-    attention_case(Mask::CAUSAL, KvDtype::F16);
+/// The widest head the kernel takes (the query head in shared memory, beside the kernel's own
+/// static shared memory, within the 48 KiB a block gets without opting in) runs and matches
+/// the CPU; one wider is refused with a shape error naming that width, not a failed launch.
+pub(super) fn attention_head_width_limit(g: CudaBackend) {
+    let r = attention_dims(&g, Mask::CAUSAL, KvDtype::F32, (1, 1, 12_288, 8));
+    let Err(crate::runtime::RuntimeError::Shape { expected, .. }) = r else {
+        panic!("a 12288-wide head: expected a shape error, got {r:?}");
+    };
+    assert!(expected < 12_288, "{expected}");
+    attention_dims(&g, Mask::CAUSAL, KvDtype::F32, (1, 1, expected, 8))
+        .unwrap_or_else(|e| panic!("the widest head, {expected}: {e}"));
+    let r = attention_dims(&g, Mask::CAUSAL, KvDtype::F32, (1, 1, expected + 1, 8));
+    assert!(
+        matches!(r, Err(crate::runtime::RuntimeError::Shape { .. })),
+        "{r:?}"
+    );
 }
 
-#[test]
-fn attention_causal_f32() {
-    attention_case(Mask::CAUSAL, KvDtype::F32);
+pub(super) fn attention_causal_f16(g: CudaBackend) {
+    attention_case(g, Mask::CAUSAL, KvDtype::F16);
 }
 
-#[test]
-fn attention_sliding_window_f16() {
+pub(super) fn attention_causal_f32(g: CudaBackend) {
+    attention_case(g, Mask::CAUSAL, KvDtype::F32);
+}
+
+pub(super) fn attention_sliding_window_f16(g: CudaBackend) {
     attention_case(
+        g,
         Mask {
             causal: true,
             window: Some(4),
@@ -454,9 +474,9 @@ fn attention_sliding_window_f16() {
     );
 }
 
-#[test]
-fn attention_tree_f16() {
+pub(super) fn attention_tree_f16(g: CudaBackend) {
     attention_case(
+        g,
         Mask {
             causal: true,
             window: None,
@@ -466,9 +486,7 @@ fn attention_tree_f16() {
     );
 }
 
-#[test]
-fn argmax_and_sampling_on_the_device_match_the_cpu() {
-    let g = gpu();
+pub(super) fn argmax_and_sampling_on_the_device_match_the_cpu(g: CudaBackend) {
     let n = 262_147; // Gemma's vocabulary plus a tail
     let mut logits = randn(2 * n, 41);
     logits[n + 17] = f32::NAN;
@@ -512,29 +530,28 @@ fn argmax_and_sampling_on_the_device_match_the_cpu() {
     }
 }
 
-#[test]
-fn the_real_model_on_the_gpu_matches_the_cpu_backend() {
-    use crate::model::Model;
-    use crate::runtime::{Engine, Session};
+/// Where the real model test finds Gemma 3 270M (Q4_K_M).
+pub(super) fn real_model_path() -> std::path::PathBuf {
     let dir = match std::env::var_os("PLUMBLINE_MODELS") {
         Some(d) => std::path::PathBuf::from(d),
         None => std::path::PathBuf::from(std::env::var_os("HOME").unwrap_or_default())
             .join(".cache/plumbline/models"),
     };
-    let path = dir.join("gemma-3-270m-q4_k_m.gguf");
-    // On a GPU runner the model is part of the setup; its absence is a failure, not a skip.
-    let model = Model::load(&path)
-        .unwrap_or_else(|e| panic!("the gpu model test needs {}: {e}", path.display()));
-    let (g, c) = (gpu(), cpu());
-    let eg = Engine::new(&model, &g).unwrap_or_else(|e| panic!("{e}"));
-    let ec = Engine::new(&model, &c).unwrap_or_else(|e| panic!("{e}"));
-    // <bos>The capital of France is (ids from model_real.rs), then 8 greedy decode steps.
+    dir.join("gemma-3-270m-q4_k_m.gguf")
+}
+
+pub(super) fn the_real_model_matches_the_cpu_backend(g: CudaBackend, model: &Model, steps: usize) {
+    use crate::runtime::{Engine, Session};
+    let c = cpu();
+    let eg = Engine::new(model, &g).unwrap_or_else(|e| panic!("{e}"));
+    let ec = Engine::new(model, &c).unwrap_or_else(|e| panic!("{e}"));
+    // <bos>The capital of France is (ids from model_real.rs), then `steps` greedy decode steps.
     let prompt = [2u32, 818, 5279, 529, 7001, 563];
     let mut sg = Session::new(&eg, 32).unwrap_or_else(|e| panic!("{e}"));
     let mut sc = Session::new(&ec, 32).unwrap_or_else(|e| panic!("{e}"));
     let mut lg = sg.forward(&prompt, None).unwrap_or_else(|e| panic!("{e}"));
     let mut lc = sc.forward(&prompt, None).unwrap_or_else(|e| panic!("{e}"));
-    for step in 0..8 {
+    for step in 0..steps {
         let (a, b) = (lg.last(), lc.last());
         // Independent activation quantization on the two sides through 18 layers: the CPU
         // Q4_K_M path against the NumPy float reference has NMSE ~1e-3 on the logits
@@ -546,3 +563,42 @@ fn the_real_model_on_the_gpu_matches_the_cpu_backend() {
         lc = sc.forward(&[id], None).unwrap_or_else(|e| panic!("{e}"));
     }
 }
+
+/// The suite's tests for one device: `$device` is an expression of type
+/// `Option<CudaBackend>` (`None`: skipped, with the reason printed by it), `$model` one of type
+/// `Option<Model>` for the real-model test and `$steps` its number of decode steps.
+macro_rules! suite_tests {
+    ($device:expr, $model:expr, $steps:expr) => {
+        use super::suite;
+        $crate::runtime::cuda::suite::suite_tests!(@each $device;
+            matmul_of_every_weight_type_matches_the_cpu,
+            expert_products_and_routing_match_the_cpu,
+            embedding_rows_of_every_type_match_the_cpu,
+            norms_rope_activations_and_elementwise_ops_match_the_cpu,
+            attention_causal_f16,
+            attention_causal_f32,
+            attention_sliding_window_f16,
+            attention_tree_f16,
+            attention_head_width_limit,
+            argmax_and_sampling_on_the_device_match_the_cpu
+        );
+        #[test]
+        fn the_real_model_matches_the_cpu_backend() {
+            let Some(model) = $model else { return };
+            if let Some(g) = $device {
+                suite::the_real_model_matches_the_cpu_backend(g, &model, $steps);
+            }
+        }
+    };
+    (@each $device:expr; $($name:ident),*) => {
+        $(
+            #[test]
+            fn $name() {
+                if let Some(g) = $device {
+                    suite::$name(g);
+                }
+            }
+        )*
+    };
+}
+pub(super) use suite_tests;
