@@ -549,7 +549,13 @@ pub(super) fn the_real_model_matches_the_cpu_backend(g: CudaBackend, model: &Mod
     let prompt = [2u32, 818, 5279, 529, 7001, 563];
     let mut sg = Session::new(&eg, 32).unwrap_or_else(|e| panic!("{e}"));
     let mut sc = Session::new(&ec, 32).unwrap_or_else(|e| panic!("{e}"));
+    let t = std::time::Instant::now();
     let mut lg = sg.forward(&prompt, None).unwrap_or_else(|e| panic!("{e}"));
+    println!(
+        "device prefill of {} tokens: {:.2} s",
+        prompt.len(),
+        t.elapsed().as_secs_f64()
+    );
     let mut lc = sc.forward(&prompt, None).unwrap_or_else(|e| panic!("{e}"));
     for step in 0..steps {
         let (a, b) = (lg.last(), lc.last());
@@ -559,7 +565,12 @@ pub(super) fn the_real_model_matches_the_cpu_backend(g: CudaBackend, model: &Mod
         let e = nmse(a, b);
         assert!(e < 5e-3, "step {step}: logits NMSE {e:.3e}");
         let id = sampling::argmax(b);
+        let t = std::time::Instant::now();
         lg = sg.forward(&[id], None).unwrap_or_else(|e| panic!("{e}"));
+        println!(
+            "device decode step {step}: {:.2} s",
+            t.elapsed().as_secs_f64()
+        );
         lc = sc.forward(&[id], None).unwrap_or_else(|e| panic!("{e}"));
     }
 }
