@@ -99,14 +99,13 @@ plumbline_emu_fiber_start:
 #define PLUMBLINE_EMU_HAVE_ASM_SWITCH 0
 #endif
 
-static bool use_ucontext() {
-    static const bool u = [] {
-        const char* v = getenv("PLUMBLINE_CUDA_EMU_SWITCH");
-        if (!PLUMBLINE_EMU_HAVE_ASM_SWITCH) return true;
-        return v && std::string(v) == "ucontext";
-    }();
-    return u;
+static bool read_switch_choice() {
+    const char* v = getenv("PLUMBLINE_CUDA_EMU_SWITCH");
+    if (!PLUMBLINE_EMU_HAVE_ASM_SWITCH) return true;
+    return v && std::string(v) == "ucontext";
 }
+static const bool g_ucontext = read_switch_choice();
+static inline bool use_ucontext() { return g_ucontext; }
 
 enum State : uint8_t { READY, WAIT_BAR, WAIT_WARP, DONE };
 
@@ -440,8 +439,10 @@ static Fiber* pick_next(Worker* w, unsigned from) {
 }
 
 // The running fiber `f` waits (its state is already set): run another one.
-static void block_on(Worker* w, Fiber* f, const char* what) {
-    Fiber* next = pick_next(w, f->info.linear);
+static inline void block_on(Worker* w, Fiber* f, const char* what) {
+    unsigned i = f->info.linear + 1;
+    Fiber* next = (!w->rng && i < w->n && w->fibers[i].state == READY) ? &w->fibers[i]
+                                                                       : pick_next(w, f->info.linear);
     if (!next) {
         fail_block(w, f,
                    fmt("deadlock: %s reached %s and no thread of the block can go on (%s): a "
