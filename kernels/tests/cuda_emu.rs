@@ -194,3 +194,31 @@ fn asan_names_the_kernel_of_an_overflow() {
         "{err}"
     );
 }
+
+/// A misaligned 4-byte load (a GPU faults; x86 does not) is named by the --asan build's UBSan
+/// alignment check, with the kernel.
+#[test]
+fn asan_build_names_a_misaligned_load() {
+    let o = selftest(true, &["ubsan-misaligned"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success(),
+        "the misaligned load went unnoticed:\n{err}"
+    );
+    assert!(
+        err.contains("misaligned address") && err.contains("checks.cu"),
+        "{err}"
+    );
+}
+
+/// A __shared__ array written past its end is named by the --asan build's UBSan bounds check.
+#[test]
+fn asan_build_names_a_shared_memory_overflow() {
+    let o = selftest(true, &["ubsan-shared-overflow"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "the overflow went unnoticed:\n{err}");
+    assert!(
+        err.contains("index 32 out of bounds for type 'float [32]'") && err.contains("checks.cu"),
+        "{err}"
+    );
+}

@@ -40,7 +40,11 @@ FLAGS=(-std=c++20 -O2 -g -fPIC -pthread -fvisibility=hidden -I"$HERE" -I"$CUDA")
 # to __tls_get_addr on each access from a dlopen'd library.
 if [ "$(uname -m)" = x86_64 ]; then FLAGS+=(-mtls-dialect=gnu2); fi
 if [ "$ASAN" = 1 ]; then
-    FLAGS+=(-fsanitize=address -fno-omit-frame-pointer)
+    # AddressSanitizer for every access to device memory, and two UBSan checks for what a GPU
+    # faults on or corrupts silently: a misaligned load or store (CUDA_ERROR_MISALIGNED_ADDRESS
+    # on a GPU, harmless on x86) and an index past a fixed-size array (a __shared__ array
+    # overflowing into its neighbour).
+    FLAGS+=(-fsanitize=address,alignment,bounds -fno-sanitize-recover=all -fno-omit-frame-pointer)
 fi
 # Kernel code: CUDA's `#pragma unroll` means nothing to g++; parameters a macro-generated
 # kernel leaves unused are not a bug. -fno-strict-aliasing: kernels cast byte pointers to

@@ -124,3 +124,19 @@ extern "C" __global__ void racy_left_neighbour(u32* out, u32 tag, u32 sync) {
     if (sync) __syncthreads();
     out[t] = s[(t + blockDim.x - 1) % blockDim.x];
 }
+
+// A 4-byte load from an address that is not a multiple of 4: a GPU faults
+// (CUDA_ERROR_MISALIGNED_ADDRESS); x86 does not, so only the --asan build (UBSan's alignment
+// check) names it.
+extern "C" __global__ void misaligned_load(const u8* p, float* out) {
+    out[threadIdx.x] = *(const float*)(p + 1 + 4 * threadIdx.x);
+}
+
+// 64 threads write a 32-float __shared__ array: on the CPU the overflow lands in whatever
+// thread-local storage follows; the --asan build (UBSan's bounds check) names it.
+extern "C" __global__ void shared_overflow(float* out) {
+    __shared__ float s[32];
+    s[threadIdx.x] = 1.0f;
+    __syncthreads();
+    out[threadIdx.x] = s[threadIdx.x % 32];
+}

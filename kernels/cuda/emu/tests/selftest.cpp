@@ -638,6 +638,26 @@ int main(int argc, char** argv) {
         return 0;
     }
     load();
+    // Violations only the --asan build (UBSan) sees: the process is expected to abort.
+    if (cmd == "ubsan-misaligned") {
+        void* f = fn("misaligned_load");
+        CUdeviceptr p = alloc(256), out = alloc(32 * 4);
+        cuMemsetD8_v2(p, 0, 256);
+        Args a;
+        a.ptr(p).ptr(out);
+        CUresult r = launch(f, 1, 32, a);
+        printf("launch returned %d\n", r);
+        return 0;
+    }
+    if (cmd == "ubsan-shared-overflow") {
+        void* f = fn("shared_overflow");
+        CUdeviceptr out = alloc(64 * 4);
+        Args a;
+        a.ptr(out);
+        CUresult r = launch(f, 1, 64, a);
+        printf("launch returned %d\n", r);
+        return 0;
+    }
     if (cmd == "bench-mmv") {
         if (argc < 5) return 2;
         return bench_mmv((unsigned)atoi(argv[2]), (unsigned)atoi(argv[3]), atoi(argv[4]));
