@@ -20,7 +20,8 @@ pub struct Capabilities {
     pub cpu_isas: Vec<Isa>,
     /// Hardware threads available to this process.
     pub cpu_threads: usize,
-    /// CUDA devices. Empty: this build has no CUDA backend yet (issue "CUDA backend").
+    /// CUDA devices the NVIDIA driver reports (empty without a driver, without a device, or
+    /// in a build without the `cuda` feature). The CUDA emulator's device is never one of them.
     pub cuda_devices: Vec<CudaDevice>,
     /// Whether the engine has a CUDA backend compiled in.
     pub cuda_backend: bool,
@@ -38,18 +39,50 @@ impl Capabilities {
     }
 }
 
-/// Detect what this machine can run (cheap: CPU feature detection; no device is opened).
+/// Detect what this machine can run: CPU feature detection, and the CUDA driver's devices
+/// (probed without creating a context; no kernel is compiled).
 pub fn capabilities() -> Capabilities {
     Capabilities {
         cpu_isas: Isa::available(),
         cpu_threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
-        cuda_devices: Vec::new(),
-        cuda_backend: false,
+        cuda_devices: cuda_devices(),
+        cuda_backend: cfg!(feature = "cuda"),
         // CPU ranks over `shm` (crate::tp); CUDA/NCCL communicators are not built yet.
         tensor_parallel: true,
         speculative: true,
         kv_dtypes: vec![crate::runtime::KvDtype::F32, crate::runtime::KvDtype::F16],
     }
+}
+
+/// The NVIDIA driver's devices through the default library search without the emulator (a set
+/// `$PLUMBLINE_CUDA_EMU` must not turn the emulated device into a GPU case).
+#[cfg(feature = "cuda")]
+fn cuda_devices() -> Vec<CudaDevice> {
+    use crate::runtime::cuda::{driver, LibrarySearch};
+    let mut search = LibrarySearch::from_env();
+    if let Some(emu) = std::env::var_os(crate::runtime::cuda::libs::EMULATOR_ENV) {
+        let emu = std::path::PathBuf::from(emu);
+        search.dirs.retain(|d| d != &emu);
+    }
+    match driver::probe(&search) {
+        Ok(info) if !info.emulated => info
+            .devices
+            .unwrap_or_default()
+            .into_iter()
+            .map(|d| CudaDevice {
+                ordinal: d.ordinal,
+                name: d.name,
+                arch: d.arch,
+                memory_bytes: d.memory_bytes,
+            })
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_devices() -> Vec<CudaDevice> {
+    Vec::new()
 }
 
 #[cfg(test)]
@@ -63,5 +96,6 @@ mod tests {
         assert_eq!(c.cpu_isas, Isa::available());
         assert!(c.cpu_threads >= 1);
         assert!(c.cuda_devices.is_empty() || c.cuda_backend);
+        assert_eq!(c.cuda_backend, cfg!(feature = "cuda"));
     }
 }

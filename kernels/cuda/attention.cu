@@ -41,7 +41,7 @@ __device__ __forceinline__ void attention_impl(
     u32 causal, u32 window, u32 tree, const u32* __restrict__ q_pos, const u32* __restrict__ q_seq,
     const u32* __restrict__ c_pos, const u32* __restrict__ c_seq, const u32* __restrict__ c_batch,
     u32 n_cells, const u64* __restrict__ anc, u32 anc_words, float* __restrict__ scores) {
-    extern __shared__ float sq[];
+    DYNAMIC_SHARED(float, sq);
     __shared__ float fscratch[32];
     __shared__ double dscratch[32];
     u32 h = blockIdx.x, t = blockIdx.y, n_tok = gridDim.y;

@@ -19,17 +19,31 @@ typedef unsigned long long u64;
 #define WARP 32
 #define NEG_INF __int_as_float(0xff800000)
 
+// Dynamic shared memory of a kernel (`extern __shared__`); the CPU emulator
+// (kernels/cuda/emu/prelude.h) defines its own.
+#ifndef DYNAMIC_SHARED
+#define DYNAMIC_SHARED(T, name) extern __shared__ T name[]
+#endif
+
 __device__ __forceinline__ float f16_to_f32(u16 h) {
+#ifdef __CUDA_ARCH__
     float f;
     asm("{ cvt.f32.f16 %0, %1; }" : "=f"(f) : "h"(h));
     return f;
+#else
+    return plumbline_emu_f16_to_f32(h);  // the host build: kernels/cuda/emu/prelude.h
+#endif
 }
 
 // Round to nearest even, as `half::f16::from_f32` does (the CPU cache's conversion).
 __device__ __forceinline__ u16 f32_to_f16(float f) {
+#ifdef __CUDA_ARCH__
     u16 h;
     asm("{ cvt.rn.f16.f32 %0, %1; }" : "=h"(h) : "f"(f));
     return h;
+#else
+    return plumbline_emu_f32_to_f16(f);
+#endif
 }
 
 __device__ __forceinline__ float bf16_to_f32(u16 b) {

@@ -141,6 +141,7 @@ pub(crate) mod cuda {
 
     use std::path::PathBuf;
 
+    use crate::runtime::cuda::libs::DRIVER_SONAME;
     use crate::runtime::cuda::{CudaBackend, CudaError, KernelCache, LibraryError, LibrarySearch};
 
     use super::Device;
@@ -154,27 +155,24 @@ pub(crate) mod cuda {
     }
 
     /// The library search for `device`: the default one for a real device; for the emulator,
-    /// its directory first — and only if the emulated `libcuda.so.1` is there, so a real
-    /// driver is never picked up in its place.
+    /// its folder first — and only if the emulated `libcuda.so.1` is there, so a real driver is
+    /// never picked up in its place (`CudaBackend::new` also checks that cudarc loads the very
+    /// library it probed).
     pub fn search(device: &Device) -> Result<LibrarySearch, CudaError> {
-        let mut search = LibrarySearch::from_env();
-        if let Device::CudaEmu { dir } = device {
-            let dir = emulator_dir(dir.as_ref());
-            let lib = dir.join(crate::runtime::cuda::libs::DRIVER_SONAME);
-            if !lib.is_file() {
-                return Err(CudaError::Library(LibraryError::NotFound {
-                    soname: format!(
-                        "the CUDA emulator ({}; build it with `cargo xtask cuda-emu`)",
-                        crate::runtime::cuda::libs::DRIVER_SONAME
-                    ),
-                    searched: vec![dir],
-                    other_majors: Vec::new(),
-                }));
-            }
-            search.dirs.insert(0, dir);
-            search.system = false;
+        let Device::CudaEmu { dir } = device else {
+            return Ok(LibrarySearch::from_env());
+        };
+        let dir = emulator_dir(dir.as_ref());
+        if !dir.join(DRIVER_SONAME).is_file() {
+            return Err(CudaError::Library(LibraryError::NotFound {
+                soname: format!(
+                    "the CUDA emulator's {DRIVER_SONAME} (build it: cargo xtask cuda-emu)"
+                ),
+                searched: vec![dir],
+                other_majors: Vec::new(),
+            }));
         }
-        Ok(search)
+        Ok(LibrarySearch::emulator(dir))
     }
 
     pub fn open(device: &Device) -> Result<CudaBackend, CudaError> {

@@ -66,7 +66,14 @@ pub fn device_of(backend: Backend, threads: usize) -> Result<Device> {
         Backend::CudaEmu => Ok(Device::CudaEmu {
             dir: Some(crate::cuda_emu::dir()),
         }),
-        Backend::Cuda { sm } => bail!("cuda-sm{sm}: a CUDA device case needs the device's ordinal"),
+        Backend::Cuda { sm } => {
+            // The first device of the case's architecture (skip_reason checked there is one).
+            let caps = engine::capabilities();
+            match caps.cuda_devices.iter().find(|d| d.arch == sm) {
+                Some(d) => Ok(Device::Cuda { ordinal: d.ordinal }),
+                None => bail!("no CUDA device of architecture sm_{sm}"),
+            }
+        }
         _ => {
             let isa = isa_of(backend).ok_or_else(|| anyhow!("{backend} is not a CPU backend"))?;
             Ok(Device::cpu_with(Some(isa), Some(threads)))

@@ -56,6 +56,87 @@ fn shape(op: &'static str, expected: usize, found: usize) -> RuntimeError {
     }
 }
 
+/// `cuFuncGetParamInfo(func, index, offset, size)`.
+type ParamInfoFn = unsafe extern "C" fn(
+    cudarc::driver::sys::CUfunction,
+    usize,
+    *mut usize,
+    *mut usize,
+) -> cudarc::driver::sys::CUresult;
+
+/// The driver's `cuFuncGetParamInfo`, if it has one (CUDA 12.4 drivers and later). Looked up
+/// here rather than through cudarc, which panics on a symbol the driver lacks.
+fn param_info_fn(driver: &std::path::Path) -> Option<ParamInfoFn> {
+    let lib = super::libs::open(driver).ok()?;
+    // SAFETY: the type is cuFuncGetParamInfo's C signature in cuda.h.
+    unsafe { super::libs::symbol::<ParamInfoFn>(lib, driver, "CUDA driver", "cuFuncGetParamInfo") }
+        .ok()
+}
+
+/// A kernel's parameter sizes: indices 0, 1, … until the driver says there is no such index.
+fn param_sizes(info: ParamInfoFn, f: &CudaFunction) -> Option<Vec<usize>> {
+    let mut sizes = Vec::new();
+    for i in 0..256 {
+        let (mut off, mut size) = (0usize, 0usize);
+        // SAFETY: `f` is a loaded function; the driver writes two integers.
+        let r = unsafe { info(f.cu_function(), i, &mut off, &mut size) };
+        match r {
+            cudarc::driver::sys::CUresult::CUDA_SUCCESS => sizes.push(size),
+            cudarc::driver::sys::CUresult::CUDA_ERROR_INVALID_VALUE => return Some(sizes),
+            _ => return None,
+        }
+    }
+    None
+}
+
+/// The arguments of a launch of `name` against the kernel's parameter sizes.
+fn check_args(name: &str, sizes: &[usize], args: &[Arg]) -> Result<(), String> {
+    if sizes.len() != args.len() {
+        return Err(format!(
+            "launch of {name}: {} arguments given, the kernel takes {} parameters",
+            args.len(),
+            sizes.len()
+        ));
+    }
+    for (i, (s, a)) in sizes.iter().zip(args).enumerate() {
+        if *s != a.width() {
+            return Err(format!(
+                "launch of {name}: argument {i} is a {}-byte value, the kernel's parameter {i} \
+                 has {s} bytes",
+                a.width()
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Checks that cudarc, which opens the driver by name, gets the library probed at `probed`:
+/// the first of cudarc's candidate names that loads must be that library (the same `cuInit`).
+fn same_driver_for_cudarc(probed: &std::path::Path) -> Result<(), CudaError> {
+    type Init = unsafe extern "C" fn(u32) -> cudarc::driver::sys::CUresult;
+    let ours = super::libs::open(probed)?;
+    // SAFETY: cuInit's C signature; only its address is compared.
+    let our_init = unsafe { super::libs::symbol::<Init>(ours, probed, "CUDA driver", "cuInit") }?;
+    for name in cudarc::get_lib_name_candidates("cuda") {
+        // SAFETY: opening a CUDA driver runs its initializers, which have no preconditions.
+        let Ok(lib) = (unsafe { libloading::Library::new(&name) }) else {
+            continue;
+        };
+        // SAFETY: as above.
+        let theirs = unsafe { lib.get::<Init>(b"cuInit") }.map(|s| *s);
+        return match theirs {
+            Ok(f) if f as usize == our_init as usize => Ok(()),
+            _ => Err(CudaError::Driver(format!(
+                "cudarc would load the CUDA driver `{name}`, which is not the driver probed at {} \
+                 (two drivers are installed: remove the other from the library path, or unset \
+                 PLUMBLINE_CUDA_EMU)",
+                probed.display()
+            ))),
+        };
+    }
+    Ok(())
+}
+
 /// One kernel argument, passed by value (cuLaunchKernel reads each parameter's size from the
 /// kernel, so every value is stored in eight little-endian bytes).
 #[derive(Clone, Copy)]
@@ -68,6 +149,14 @@ enum Arg {
 }
 
 impl Arg {
+    /// The width of the kernel parameter this value is for.
+    fn width(self) -> usize {
+        match self {
+            Arg::Ptr(_) | Arg::U64(_) | Arg::F64(_) => 8,
+            Arg::U32(_) | Arg::F32(_) => 4,
+        }
+    }
+
     fn bits(self) -> u64 {
         match self {
             Arg::Ptr(p) | Arg::U64(p) => p,
@@ -142,6 +231,9 @@ pub struct CudaBackend {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     funcs: HashMap<String, CudaFunction>,
+    /// Each kernel's parameter sizes, as the driver reports them (`cuFuncGetParamInfo`, CUDA
+    /// 12.4 and later); every launch is checked against them.
+    params: HashMap<String, Vec<usize>>,
     ordinal: usize,
     arch: u32,
 }
@@ -196,8 +288,12 @@ impl CudaBackend {
             });
         }
         // The driver library is loaded (by its full path, in `driver::probe`), so cudarc's
-        // by-name load finds it. cudarc panics on a symbol the driver lacks; that becomes an
-        // error naming the driver.
+        // by-name load finds it — unless another driver answers one of the names cudarc tries
+        // first (`libcuda.so`), which would put the backend on a driver other than the one
+        // probed (the emulator beside a real driver, or the reverse): that is an error.
+        same_driver_for_cudarc(&info.path)?;
+        let param_info = param_info_fn(&info.path);
+        // cudarc panics on a symbol the driver lacks; that becomes an error naming the driver.
         let ctx = std::panic::catch_unwind(|| CudaContext::new(ordinal))
             .map_err(|_| {
                 CudaError::Driver(format!(
@@ -211,6 +307,7 @@ impl CudaBackend {
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.default_stream();
         let mut funcs = HashMap::new();
+        let mut params = HashMap::new();
         for (file, cubin) in FILES.iter().zip(cubins) {
             let entries: Vec<String> = entry_points(&file.program());
             let module = ctx.load_module(Ptx::from_binary(cubin)).map_err(|e| {
@@ -220,6 +317,9 @@ impl CudaBackend {
                 let f = module
                     .load_function(&name)
                     .map_err(|e| CudaError::Driver(format!("{} in {}: {e}", name, file.name)))?;
+                if let Some(sizes) = param_info.and_then(|p| param_sizes(p, &f)) {
+                    params.insert(name.clone(), sizes);
+                }
                 funcs.insert(name, f);
             }
         }
@@ -227,6 +327,7 @@ impl CudaBackend {
             ctx,
             stream,
             funcs,
+            params,
             ordinal,
             arch: dev.arch,
         })
@@ -264,6 +365,9 @@ impl CudaBackend {
         let f = self.funcs.get(name).ok_or_else(|| {
             RuntimeError::Cuda(CudaError::Unsupported(format!("no kernel {name} loaded")))
         })?;
+        if let Some(sizes) = self.params.get(name) {
+            check_args(name, sizes, args).map_err(|e| RuntimeError::Cuda(CudaError::Driver(e)))?;
+        }
         let vals: Vec<u64> = args.iter().map(|a| a.bits()).collect();
         let mut b = self.stream.launch_builder(f);
         for v in &vals {
@@ -274,6 +378,19 @@ impl CudaBackend {
         // checked against the kernel's indexing (the contract in the kernel's comment), and a
         // grid no larger than that contract covers.
         unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv)
+    }
+
+    /// The static shared memory of kernel `name`, in bytes, as the driver reports it.
+    fn static_shared(&self, name: &str) -> Result<usize, RuntimeError> {
+        let f = self.funcs.get(name).ok_or_else(|| {
+            RuntimeError::Cuda(CudaError::Unsupported(format!("no kernel {name} loaded")))
+        })?;
+        let b = f
+            .get_attribute(
+                cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES,
+            )
+            .map_err(drv)?;
+        Ok(usize::try_from(b).unwrap_or(0))
     }
 
     fn upload_u32(&self, v: &[u32]) -> Result<Dev<u32>, RuntimeError> {
@@ -1469,14 +1586,18 @@ impl Backend for CudaBackend {
             Some(w) => u32::try_from(w).unwrap_or(u32::MAX).max(1),
             None => 0,
         };
-        let shared = (m.head_dim_k * 4) as u32;
-        if shared > 48 * 1024 {
+        // The query head goes to dynamic shared memory, beside the kernel's static shared memory
+        // (its reduction scratch): together at most the 48 KiB a block gets without opting in.
+        let static_smem = self.static_shared(name)?;
+        let max_dk = (48 * 1024 - static_smem.min(48 * 1024)) / 4;
+        if m.head_dim_k > max_dk {
             return Err(shape(
-                "attention head width (≤ 12288 for shared memory)",
-                12_288,
+                "attention head width (the query head in 48 KiB of shared memory)",
+                max_dk,
                 m.head_dim_k,
             ));
         }
+        let shared = (m.head_dim_k * 4) as u32;
         // Kernel attention_{f32,f16}(q, k, v, u64 k_stride, u64 v_stride, out, u32 n_head,
         // u32 n_head_kv, u32 dk, u32 dv, float scale, u32 causal, u32 window, u32 tree,
         // q_pos, q_seq, c_pos, c_seq, c_batch, u32 n_cells, const u64* anc, u32 anc_words,
@@ -1520,6 +1641,28 @@ impl Backend for CudaBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn launch_arguments_are_checked_against_the_parameter_sizes() {
+        let sizes = [8, 4, 8];
+        assert_eq!(
+            check_args("k", &sizes, &[Arg::Ptr(1), Arg::U32(2), Arg::F64(3.0)]),
+            Ok(())
+        );
+        let short = check_args("k", &sizes, &[Arg::Ptr(1), Arg::U32(2)]);
+        assert_eq!(
+            short,
+            Err("launch of k: 2 arguments given, the kernel takes 3 parameters".into())
+        );
+        let wide = check_args("k", &sizes, &[Arg::Ptr(1), Arg::U64(2), Arg::Ptr(3)]);
+        assert_eq!(
+            wide,
+            Err(
+                "launch of k: argument 1 is a 8-byte value, the kernel's parameter 1 has 4 bytes"
+                    .into()
+            )
+        );
+    }
 
     #[test]
     fn every_macro_generated_kernel_is_listed_for_every_type() {

@@ -28,6 +28,9 @@ pub struct DriverInfo {
     /// `Err` when `cuInit` failed (no device, or the kernel module is not loaded): the message
     /// names the driver's error.
     pub devices: Result<Vec<DeviceInfo>, String>,
+    /// The library is plumbline's CUDA emulator (`kernels/cuda/emu`, it exports
+    /// `plumblineEmuLastError`), not an NVIDIA driver: its device is no GPU.
+    pub emulated: bool,
 }
 
 impl DriverInfo {
@@ -137,9 +140,13 @@ pub fn probe_path(path: &Path) -> Result<DriverInfo, CudaError> {
         }
         Ok(out)
     })();
+    // SAFETY: only the symbol's presence is looked up; it is never called here.
+    let emulated = unsafe { lib.get::<unsafe extern "C" fn() -> *const c_char>(b"plumblineEmuLastError\0") }
+        .is_ok();
     Ok(DriverInfo {
         path: path.to_path_buf(),
         version: v.max(0) as u32,
         devices,
+        emulated,
     })
 }

@@ -18,6 +18,9 @@ use super::error::LibraryError;
 pub const DRIVER_SONAME: &str = "libcuda.so.1";
 /// The NVRTC library of the CUDA major version the backend targets.
 pub const NVRTC_SONAME: &str = "libnvrtc.so.12";
+/// A folder holding the CUDA emulator's `libcuda.so.1` (kernels/cuda/emu/build.sh): when set,
+/// [`LibrarySearch::from_env`] finds the driver there before anywhere else.
+pub const EMULATOR_ENV: &str = "PLUMBLINE_CUDA_EMU";
 
 /// Where to look for the CUDA libraries.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -44,12 +47,26 @@ impl LibrarySearch {
         }
     }
 
-    /// The default search: `$PLUMBLINE_CUDA_LIB_PATH` (colon-separated), `$LD_LIBRARY_PATH`,
-    /// the PyPI wheels' `nvidia/*/lib` folders of every Python found in the usual places,
-    /// `$CUDA_HOME/lib64`, `/usr/local/cuda/lib64`, the distribution's library folders, then
-    /// the system loader.
+    /// The default search with the CUDA emulator's folder first (the folder
+    /// kernels/cuda/emu/build.sh wrote `libcuda.so.1` to): the driver is the emulator, NVRTC
+    /// is found as usual. The emulator is used only when asked for, by this or by
+    /// `$PLUMBLINE_CUDA_EMU`, never in place of a real driver otherwise.
+    pub fn emulator(dir: PathBuf) -> Self {
+        let mut s = Self::from_env();
+        s.dirs.retain(|d| d != &dir);
+        s.dirs.insert(0, dir);
+        s
+    }
+
+    /// The default search: `$PLUMBLINE_CUDA_EMU` (the emulator, only when set),
+    /// `$PLUMBLINE_CUDA_LIB_PATH` (colon-separated), `$LD_LIBRARY_PATH`, the PyPI wheels'
+    /// `nvidia/*/lib` folders of every Python found in the usual places, `$CUDA_HOME/lib64`,
+    /// `/usr/local/cuda/lib64`, the distribution's library folders, then the system loader.
     pub fn from_env() -> Self {
         let mut dirs = Vec::new();
+        if let Some(v) = std::env::var_os(EMULATOR_ENV).filter(|v| !v.is_empty()) {
+            dirs.push(PathBuf::from(v));
+        }
         for var in ["PLUMBLINE_CUDA_LIB_PATH", "LD_LIBRARY_PATH"] {
             if let Some(v) = std::env::var_os(var) {
                 dirs.extend(std::env::split_paths(&v).filter(|p| !p.as_os_str().is_empty()));

@@ -27,7 +27,11 @@ pub mod report;
 pub mod sources;
 
 #[cfg(test)]
+mod emu;
+#[cfg(test)]
 mod gpu;
+#[cfg(test)]
+mod suite;
 #[cfg(test)]
 mod tests;
 
