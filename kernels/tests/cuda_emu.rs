@@ -151,6 +151,18 @@ fn every_case_in_a_random_order() {
     );
 }
 
+/// The ucontext switch (the fallback off x86-64) passes every case too.
+#[test]
+fn every_case_with_the_ucontext_switch() {
+    let o = selftest_env(false, CASES, &[("PLUMBLINE_CUDA_EMU_SWITCH", "ucontext")]);
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
+
 /// A real kernel of kernels/cuda (mmv.cu's Q8_0 matrix-vector product) over a 1000-row
 /// matrix with a partial last block of rows; emu_selftest checks every output.
 #[test]
