@@ -245,8 +245,8 @@ static std::map<std::string, std::function<void()>> cases() {
         for (float x : v) CHECK(x == 499500.0f, "sum %f", x);  // Σ 0..999
     };
     c["param_mismatch"] = [] {
-        // The cubin says (8, 8, 4); the host-compiled kernel is (8, 8, 4, ...)? No: copy_u32 is
-        // (const u32*, u32*, u32) = (8, 8, 4); a cubin of (8, 4, 4) disagrees.
+        // copy_u32 is (const u32*, u32*, u32) = (8, 8, 4) on the host; cubins that record
+        // (8, 4, 4) or (8, 8) disagree and must be refused, one that records (8, 8, 4) is taken.
         TestKernel k{"copy_u32", true, {8, 4, 4}, 0};
         void* m = module_of({k});
         void* f = nullptr;
@@ -610,7 +610,7 @@ static int bench_mmv(unsigned rows, unsigned k, int reps) {
         best = std::min(best, dt);
     }
     auto v = download<float>(out, rows);
-    // Σ over 32-value blocks of (i % 7 - 3) / 64: per block Σ_{i<32} (i%7-3) = -3·... computed:
+    // Each row: Σ over its blocks of (1/64) · Σ_{i<32} (i % 7 − 3) · 1 (activations all 1, scale 1).
     double per_block = 0;
     for (int i = 0; i < 32; i++) per_block += (i % 7 - 3);
     float e = (float)(per_block / 64.0 * chunks);
