@@ -151,6 +151,70 @@ fn every_case_in_a_random_order() {
     );
 }
 
+/// The ucontext switch (the fallback off x86-64) passes every case too.
+#[test]
+fn every_case_with_the_ucontext_switch() {
+    let o = selftest_env(false, CASES, &[("PLUMBLINE_CUDA_EMU_SWITCH", "ucontext")]);
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
+
+fn read_file(path: &Path) -> Vec<u8> {
+    std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+fn read_u32s(path: &Path) -> Vec<u32> {
+    read_file(path)
+        .chunks_exact(4)
+        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
+fn read_u16s(path: &Path) -> Vec<u16> {
+    read_file(path)
+        .chunks_exact(2)
+        .map(|c| u16::from_le_bytes([c[0], c[1]]))
+        .collect()
+}
+
+/// common.cuh's f16 conversions as the emulator runs them (the prelude's, in place of PTX
+/// `cvt`) are bit-exact with the half crate, the conversion of the CPU backend's f16 KV cache
+/// and dequantization: all 65536 f16 values to f32, and f32 → f16 around every f16 value (the
+/// value, both neighbours of the rounding midpoint, the midpoint, one below) and over a
+/// strided sweep of all bit patterns.
+#[test]
+fn f16_conversions_are_bit_exact_with_the_half_crate() {
+    let dir = tempfile_dir();
+    let o = selftest(false, &["dump-f16", dir.to_str().unwrap_or_default()]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let wide = read_u32s(&dir.join("f16_to_f32.bin"));
+    assert_eq!(wide.len(), 65536);
+    for (i, &w) in wide.iter().enumerate() {
+        let want = half::f16::from_bits(i as u16).to_f32().to_bits();
+        assert_eq!(w, want, "f16 {i:#06x}: {w:#010x}, half says {want:#010x}");
+    }
+    let input = read_u32s(&dir.join("f32_in.bin"));
+    let narrow = read_u16s(&dir.join("f32_to_f16.bin"));
+    assert_eq!(input.len(), narrow.len());
+    for (&x, &h) in input.iter().zip(&narrow) {
+        let want = half::f16::from_f32(f32::from_bits(x)).to_bits();
+        assert_eq!(h, want, "f32 {x:#010x}: {h:#06x}, half says {want:#06x}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A fresh folder under the test target folder.
+fn tempfile_dir() -> PathBuf {
+    let d =
+        Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("cuda-emu-f16-{}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap_or_else(|e| panic!("{}: {e}", d.display()));
+    d
+}
+
 /// A real kernel of kernels/cuda (mmv.cu's Q8_0 matrix-vector product) over a 1000-row
 /// matrix with a partial last block of rows; emu_selftest checks every output.
 #[test]

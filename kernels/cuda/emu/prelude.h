@@ -258,13 +258,14 @@ using std::isnan;
 
 // ---- f16 conversions (the host side of common.cuh's PTX `cvt`) ----------------------------
 
-// f16 bits → f32, exact (every f16 value is an f32 value).
+// f16 bits → f32, exact (every f16 value is an f32 value), bit-exact with half::f16::to_f32.
 inline float plumbline_emu_f16_to_f32(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
     uint32_t e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
     uint32_t bits;
     if (e == 0x1f) {
-        bits = sign | 0x7f800000u | (m << 13);  // inf, NaN (payload kept)
+        // inf; NaN keeps its payload and is quieted (as half::f16::to_f32 and F16C do)
+        bits = sign | 0x7f800000u | (m ? 0x400000u | (m << 13) : 0u);
     } else if (e != 0) {
         bits = sign | ((e + 112u) << 23) | (m << 13);
     } else if (m == 0) {

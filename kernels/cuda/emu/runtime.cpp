@@ -641,23 +641,24 @@ extern "C" __attribute__((visibility("default"), noinline)) uint64_t plumblineEm
             if (((mask >> k) & 1u) && ws.value[k]) ballot |= 1ull << k;
         uint64_t r = op == WARP_BALLOT ? ballot : op == WARP_ANY ? ballot != 0 : op == WARP_ALL ? ballot == mask : 0;
         for (unsigned k = 0; k < 32; k++) ws.result[k] = r;
-    } else if (mask == 0xffffffffu && op == WARP_SHFL_XOR && width == 32 && arg > 0 && arg < 32) {
-        // The common case (warp reductions): every lane, one xor distance.
-        for (unsigned k = 0; k < 32; k++) {
-            if (ws.arg[k] != arg) goto general;
-            ws.result[k] = ws.value[k ^ (unsigned)arg];
-        }
     } else {
-    general:
-        for (unsigned k = 0; k < 32; k++) {
-            if (!((mask >> k) & 1u)) continue;
-            int s = shfl_src(op, (int)k, ws.arg[k], width);
-            if (!((mask >> s) & 1u)) {
-                fail_block(w, f,
-                           fmt("%s: %s: lane %u reads lane %d, which is not in the mask 0x%08x",
-                               where(w, f).c_str(), name, k, s, mask));
+        // The common case (warp reductions): every lane, one xor distance.
+        bool uniform_xor = mask == 0xffffffffu && op == WARP_SHFL_XOR && width == 32 && arg > 0 && arg < 32;
+        for (unsigned k = 0; uniform_xor && k < 32; k++) uniform_xor = ws.arg[k] == arg;
+        if (uniform_xor) {
+            for (unsigned k = 0; k < 32; k++) ws.result[k] = ws.value[k ^ (unsigned)arg];
+        } else {
+            for (unsigned k = 0; k < 32; k++) {
+                if (!((mask >> k) & 1u)) continue;
+                int s = shfl_src(op, (int)k, ws.arg[k], width);
+                if (!((mask >> s) & 1u)) {
+                    fail_block(w, f,
+                               fmt("%s: %s: lane %u reads lane %d, which is not in the mask "
+                                   "0x%08x",
+                                   where(w, f).c_str(), name, k, s, mask));
+                }
+                ws.result[k] = ws.value[s];
             }
-            ws.result[k] = ws.value[s];
         }
     }
     for (unsigned k = 0; k < 32; k++)
