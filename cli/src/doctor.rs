@@ -34,6 +34,10 @@ pub struct Args {
     /// Also compile the kernels for this architecture (e.g. 103), as for a device of it
     #[arg(long)]
     pub arch: Vec<u32>,
+    /// The device whose driver to examine: cuda (the NVIDIA driver, default) or cuda-emu (the
+    /// CUDA emulator in target/cuda-emu or $PLUMBLINE_CUDA_EMU)
+    #[arg(long, default_value = "cuda")]
+    pub device: engine::exec::Device,
     /// Print JSON instead of a table
     #[arg(long)]
     pub json: bool,
@@ -96,8 +100,12 @@ pub struct Probe {
 }
 
 pub fn run(args: Args) -> Result<()> {
+    let search = match &args.device {
+        engine::exec::Device::CudaEmu { .. } => engine::exec::cuda_search(&args.device)?,
+        _ => LibrarySearch::from_env(),
+    };
     let probe = Probe {
-        search: LibrarySearch::from_env(),
+        search,
         require_gpu: args.require_gpu,
         archs: args.arch,
         files: cuda::FILES.to_vec(),
@@ -257,11 +265,22 @@ fn cpu_row() -> Row {
 }
 
 fn driver_row(d: &DriverInfo, absent: Verdict) -> Row {
-    let detail = format!(
+    let mut detail = format!(
         "{} (supports CUDA {})",
         d.path.display(),
         d.version_string()
     );
+    if d.emulated {
+        // Named as what it is: the kernels run on the CPU, checked stricter than a GPU; no
+        // GPU's memory model, timing or cubin machine code is proven by it.
+        detail.push_str(
+            ": the plumbline CUDA emulator (kernels run on the CPU), not an NVIDIA driver",
+        );
+        if absent == Verdict::Fail {
+            return row("cuda driver", Verdict::Fail, detail)
+                .because("--require-gpu: the driver found is the CUDA emulator, not a GPU's");
+        }
+    }
     if d.version / 1000 < arch::CUDA_MAJOR {
         return row("cuda driver", Verdict::Fail, detail).because(CudaError::DriverTooOld {
             driver_major: d.version / 1000,

@@ -89,3 +89,17 @@ __device__ __forceinline__ void mmv_impl(const u8* __restrict__ w, u64 row_bytes
     }
 
 FOR_EACH_TYPE(MMV_KERNEL)
+
+// mmvf_<type>: the same product on f32 activations already rounded to the weight type's
+// vec_dot_type (round_act in quantize.cu): the types whose CPU dot product reads Q8_K or
+// 16-bit-float activations, which q8_1 cannot hold exactly.
+#define MMVF_KERNEL(T, ID)                                                                       \
+    extern "C" __global__ void mmvf_##T(const u8* __restrict__ w, u64 row_bytes, u64 mat_bytes,  \
+                                        u32 n_mats, const float* __restrict__ x, u32 k_dim,      \
+                                        u32 n_rows, u32 n_out, const u32* __restrict__ ids,      \
+                                        u32 k_slots, u32 x_per_slot, float* __restrict__ out) {  \
+        mmv_impl<deq_##T, true>(w, row_bytes, mat_bytes, n_mats, x, k_dim, n_rows, n_out, ids,   \
+                                k_slots, x_per_slot, out);                                       \
+    }
+
+FOR_EACH_TYPE(MMVF_KERNEL)

@@ -136,7 +136,7 @@ fn tp_engine<'m, B: crate::runtime::Backend + 'm>(
 }
 
 #[cfg(feature = "cuda")]
-pub(crate) mod cuda {
+pub mod cuda {
     //! Opening the CUDA backend on a real or emulated device.
 
     use std::path::PathBuf;

@@ -20,6 +20,8 @@ mod device;
 mod engine;
 mod session;
 
+#[cfg(feature = "cuda")]
+pub use any::cuda::search as cuda_search;
 pub use any::{open, AnyCache, AnyEngine, AnyHidden, OpenError};
 pub use batch_engine::{BatchEngine, TpHidden};
 pub use device::{Comm, Device, DeviceParseError, Topology};

@@ -58,6 +58,10 @@ pub struct Args {
     /// Skip the throughput measurements
     #[arg(long)]
     pub no_bench: bool,
+    /// Add the CUDA backend on the CUDA emulator (`cuda-emu` cases: every model and weight mix,
+    /// the fixtures' paths, speculation and TP 2 on the one device), building the emulator first
+    #[arg(long)]
+    pub cuda_emu: bool,
     /// Threads for the engine (default: all cores)
     #[arg(long)]
     pub threads: Option<usize>,
@@ -125,6 +129,9 @@ pub fn verify(args: &Args) -> Result<Report> {
     let mut machine = machine_caps().with_models(&models.entries);
     let filter = Filter::new(&args.filter, &args.only, &args.exclude)?;
     let mut all = Matrix::enumerate(&models.entries, &machine);
+    if args.cuda_emu {
+        all.extend(Matrix::emulated(&models.entries));
+    }
     tp_case::extend(&mut all, &mut models, &mut machine);
     let cases = filter.apply(all);
     if cases.is_empty() {

@@ -352,6 +352,7 @@ mod tests {
             json: true,
             update_baselines: false,
             no_bench: true,
+            cuda_emu: false,
             threads: Some(1),
             out: out.to_path_buf(),
             model: Some(model.to_path_buf()),

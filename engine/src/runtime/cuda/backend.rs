@@ -41,6 +41,35 @@ pub const CUDA_TYPES: [GgmlType; 18] = GgmlType::SUPPORTED;
 /// From this many tokens on, a product dequantizes to f16 and runs the GEMM kernel.
 pub const GEMM_MIN_TOKENS: usize = 16;
 
+/// How ggml's CPU dot product for a weight type reads its activations (its `vec_dot_type`),
+/// as `round_act` in quantize.cu numbers it: the CUDA products round activations the same way,
+/// so that they compute what the CPU backend and the exact-numerics reference compute.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum ActRound {
+    /// F32 weights: f32 activations.
+    None = 0,
+    /// Q8_0 blocks of 32 (also Q8_1's values): what `quantize_q8_1` gives the mmv kernels.
+    Q8_0 = 1,
+    /// Q8_K blocks of 256 (the K-quants, IQ4_XS).
+    Q8K = 2,
+    F16 = 3,
+    Bf16 = 4,
+}
+
+impl ActRound {
+    fn of(ty: GgmlType) -> ActRound {
+        use GgmlType as G;
+        match ty {
+            G::F32 => ActRound::None,
+            G::F16 => ActRound::F16,
+            G::BF16 => ActRound::Bf16,
+            G::Q2K | G::Q3K | G::Q4K | G::Q5K | G::Q6K | G::Q8K | G::Iq4Xs => ActRound::Q8K,
+            // Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q8_1, IQ4_NL, MXFP4.
+            _ => ActRound::Q8_0,
+        }
+    }
+}
+
 /// Rows per block of the matrix-vector kernels (`MMV_ROWS` in mmv.cu).
 const MMV_ROWS: u32 = 4;
 
@@ -443,6 +472,54 @@ impl CudaBackend {
     }
 
     /// The matrix-vector kernel for `w` over `n_out` output rows.
+    /// A copy of the `n` activations `x` rounded as `mode` says (`round_act`), or `None` when
+    /// `mode` keeps f32 (read `x` itself).
+    fn rounded(
+        &self,
+        x: &Dev<f32>,
+        n: usize,
+        mode: ActRound,
+    ) -> Result<Option<Dev<f32>>, RuntimeError> {
+        if mode == ActRound::None {
+            return Ok(None);
+        }
+        let block = match mode {
+            ActRound::Q8_0 => 32,
+            ActRound::Q8K => 256,
+            _ => 1,
+        };
+        if n % block != 0 || n > x.len() {
+            return Err(shape(
+                "activations (whole rounding blocks)",
+                n.next_multiple_of(block),
+                n,
+            ));
+        }
+        if n == 0 {
+            return Ok(None);
+        }
+        let mut y = self.zeros_f32(n)?;
+        self.stream
+            .memcpy_dtod(&x.mem.slice(..n), &mut y.mem.slice_mut(..n))
+            .map_err(drv)?;
+        let threads = (n / block) as u32;
+        // Kernel round_act(float* x, u64 n, u32 mode).
+        self.launch(
+            "round_act",
+            LaunchConfig {
+                grid_dim: (threads.div_ceil(256).max(1), 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            },
+            &[
+                Arg::Ptr(self.ptr(&y)),
+                Arg::U64(n as u64),
+                Arg::U32(mode as u32),
+            ],
+        )?;
+        Ok(Some(y))
+    }
+
     fn mmv(
         &self,
         w: &CudaMat,
@@ -452,13 +529,16 @@ impl CudaBackend {
         n_out: usize,
         out: &mut Dev<f32>,
     ) -> Result<(), RuntimeError> {
-        let float = matches!(w.ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16);
-        let q;
-        let xp = if float {
-            self.ptr(x)
-        } else {
+        // Q8_0-family weights read q8_1 blocks (the same values as ggml's Q8_0); the others read
+        // f32 activations rounded as their CPU dot product reads them (mmvf_<type>).
+        let mode = ActRound::of(w.ty);
+        let (q, rounded);
+        let (xp, prefix) = if mode == ActRound::Q8_0 {
             q = self.quantize_q8_1(x, n_x_rows, w.k_dim)?;
-            self.ptr(&q)
+            (self.ptr(&q), "mmv")
+        } else {
+            rounded = self.rounded(x, n_x_rows * w.k_dim, mode)?;
+            (self.ptr(rounded.as_ref().unwrap_or(x)), "mmvf")
         };
         let (ids_p, k_slots, per_slot) = match ids {
             Some((i, k, p)) => (self.ptr(i), k, p),
@@ -473,8 +553,8 @@ impl CudaBackend {
             block_dim: (32, MMV_ROWS, 1),
             shared_mem_bytes: 0,
         };
-        let name = format!("mmv_{}", w.ty.name().to_ascii_lowercase());
-        // Kernel mmv_<type>(w, u64 row_bytes, u64 mat_bytes, u32 n_mats, x, u32 k_dim,
+        let name = format!("{prefix}_{}", w.ty.name().to_ascii_lowercase());
+        // Kernel mmv[f]_<type>(w, u64 row_bytes, u64 mat_bytes, u32 n_mats, x, u32 k_dim,
         // u32 n_rows, u32 n_out, const u32* ids, u32 k_slots, u32 x_per_slot, float* out).
         self.launch(
             &name,
@@ -504,6 +584,8 @@ impl CudaBackend {
         n_tok: usize,
         out: &mut Dev<f32>,
     ) -> Result<(), RuntimeError> {
+        let rounded = self.rounded(x, n_tok * w.k_dim, ActRound::of(w.ty))?;
+        let x = rounded.as_ref().unwrap_or(x);
         let n = w.n_rows * w.k_dim;
         let wf = self.zeros::<u16>(n)?;
         let chunks = (n / 32) as u32;
@@ -818,7 +900,10 @@ impl Backend for CudaBackend {
         if n_tokens == 0 {
             return Ok(());
         }
-        if n_tokens >= GEMM_MIN_TOKENS {
+        // The GEMM multiplies f16 weights: F32 and BF16 weights (whose range or precision f16
+        // would lose) stay on the matrix-vector kernels.
+        let f16_exact = !matches!(w.ty, GgmlType::F32 | GgmlType::BF16);
+        if n_tokens >= GEMM_MIN_TOKENS && f16_exact {
             return self.gemm(w, x, n_tokens, out);
         }
         self.mmv(w, x, None, n_tokens, n_tokens, out)

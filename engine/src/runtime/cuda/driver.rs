@@ -141,8 +141,9 @@ pub fn probe_path(path: &Path) -> Result<DriverInfo, CudaError> {
         Ok(out)
     })();
     // SAFETY: only the symbol's presence is looked up; it is never called here.
-    let emulated = unsafe { lib.get::<unsafe extern "C" fn() -> *const c_char>(b"plumblineEmuLastError\0") }
-        .is_ok();
+    let emulated =
+        unsafe { lib.get::<unsafe extern "C" fn() -> *const c_char>(b"plumblineEmuLastError\0") }
+            .is_ok();
     Ok(DriverInfo {
         path: path.to_path_buf(),
         version: v.max(0) as u32,
