@@ -613,95 +613,21 @@ impl<'a, 'm, E: BatchEngine> Batcher<'a, 'm, E> {
             self.apply(outcomes);
             return;
         }
-        if let Some(d) = self.cfg.hooks.step_delay {
-            std::thread::sleep(d);
-        }
-        let result = match self.cfg.hooks.broken() {
-            Some(reason) => Err(reason),
-            None => self
-                .engine
-                .forward_batch(&mut self.cache, &batch)
-                .map_err(|e| format!("forward of a batch of {} tokens: {e}", batch.len())),
-        };
-        let logits = match result {
+        let logits = match self.forward(&batch) {
             Ok(l) => l,
             Err(reason) => {
-                tracing::error!(%reason, "generation failed");
-                self.state
-                    .ready
-                    .failed(format!("generation failed: {reason}"));
-                for &(i, _) in &fed {
-                    outcomes.push((i, Outcome::Fail(reason.clone())));
-                }
+                outcomes.extend(fed.iter().map(|&(i, _)| (i, Outcome::Fail(reason.clone()))));
                 self.apply(outcomes);
                 return;
             }
         };
-
         // Tree nodes are kept only on the accepted path; everything else of the batch is kept.
         let mut keep: Vec<bool> = vec![true; batch.len()];
-        let mut any_tree = false;
-        let (env_round, env_plain) = (self.env(true), self.env(self.cfg.spec.is_none()));
+        let any_tree = fed.iter().any(|(_, r)| matches!(r, Readback::Tree(..)));
         for (i, readback) in fed {
-            let Some(a) = self.sched.get_mut(i) else {
-                continue;
-            };
-            let outcome = match readback {
-                Readback::Nothing => continue,
-                Readback::Tree(tree, base) => {
-                    any_tree = true;
-                    keep[base..base + tree.len()].fill(false);
-                    match walk_tree(a, &tree, base, &logits, env_round) {
-                        Ok(w) => {
-                            for &n in &w.path {
-                                keep[base + n] = true;
-                            }
-                            match (w.finish, w.next) {
-                                (Some(f), _) => Outcome::Finish(f),
-                                (None, Some(next)) => {
-                                    match self.sched.accepted(i, w.path.len(), next) {
-                                        Ok(()) => Outcome::Go,
-                                        Err(e) => Outcome::Fail(format!("scheduling: {e}")),
-                                    }
-                                }
-                                (None, None) => Outcome::Fail(
-                                    "verifying the draft tree: expected a next token from the \
-                                     acceptance walk, found none"
-                                        .into(),
-                                ),
-                            }
-                        }
-                        Err(e) => Outcome::Fail(format!("verifying the draft tree: {e}")),
-                    }
-                }
-                Readback::Row(row) => {
-                    let Some(l) = logits.of_token(row) else {
-                        outcomes.push((
-                            i,
-                            Outcome::Fail(format!(
-                                "the forward returned no logits for batch row {row}"
-                            )),
-                        ));
-                        continue;
-                    };
-                    let id = a.sampler.sample(l, &[]);
-                    match a.emitter.emit(&a.job, id, l, env_plain) {
-                        None => {
-                            if let Some(s) = a.spec.as_mut() {
-                                s.history.push(id);
-                                s.out.push(id);
-                            }
-                            match self.sched.sampled(i, id) {
-                                Ok(()) => Outcome::Go,
-                                Err(e) => Outcome::Fail(format!("scheduling: {e}")),
-                            }
-                        }
-                        Some((finish, _)) => Outcome::Finish(finish),
-                    }
-                }
-            };
-            if !matches!(outcome, Outcome::Go) {
-                outcomes.push((i, outcome));
+            match self.read_back(i, readback, &logits, &mut keep) {
+                Outcome::Go => {}
+                o => outcomes.push((i, o)),
             }
         }
         let kept = if any_tree {
@@ -714,10 +640,7 @@ impl<'a, 'm, E: BatchEngine> Batcher<'a, 'm, E> {
         if let Err(e) = kept {
             // The cache no longer matches any sequence's text: every running one is lost.
             let reason = format!("keeping the accepted cells: {e}");
-            tracing::error!(%reason, "generation failed");
-            self.state
-                .ready
-                .failed(format!("generation failed: {reason}"));
+            self.generation_failed(&reason);
             outcomes = self
                 .sched
                 .occupied()
@@ -725,6 +648,91 @@ impl<'a, 'm, E: BatchEngine> Batcher<'a, 'm, E> {
                 .collect();
         }
         self.apply(outcomes);
+    }
+
+    /// The step's forward (or the test hooks' delay and failure).
+    fn forward(&mut self, batch: &Batch) -> Result<Logits, String> {
+        if let Some(d) = self.cfg.hooks.step_delay {
+            std::thread::sleep(d);
+        }
+        let result = match self.cfg.hooks.broken() {
+            Some(reason) => Err(reason),
+            None => self
+                .engine
+                .forward_batch(&mut self.cache, batch)
+                .map_err(|e| format!("forward of a batch of {} tokens: {e}", batch.len())),
+        };
+        if let Err(reason) = &result {
+            self.generation_failed(reason);
+        }
+        result
+    }
+
+    fn generation_failed(&self, reason: &str) {
+        tracing::error!(%reason, "generation failed");
+        self.state
+            .ready
+            .failed(format!("generation failed: {reason}"));
+    }
+
+    /// Sequence `i`'s share of the forward: sample from its row or walk its tree, emit, and
+    /// report to the scheduler; a tree's nodes off the accepted path are cleared in `keep`.
+    fn read_back(
+        &mut self,
+        i: usize,
+        readback: Readback,
+        logits: &Logits,
+        keep: &mut [bool],
+    ) -> Outcome {
+        let env_round = self.env(true);
+        let env_plain = self.env(self.cfg.spec.is_none());
+        let Some(a) = self.sched.get_mut(i) else {
+            return Outcome::Go;
+        };
+        match readback {
+            Readback::Nothing => Outcome::Go,
+            Readback::Tree(tree, base) => {
+                keep[base..base + tree.len()].fill(false);
+                let w = match walk_tree(a, &tree, base, logits, env_round) {
+                    Ok(w) => w,
+                    Err(e) => return Outcome::Fail(format!("verifying the draft tree: {e}")),
+                };
+                for &n in &w.path {
+                    keep[base + n] = true;
+                }
+                match (w.finish, w.next) {
+                    (Some(f), _) => Outcome::Finish(f),
+                    (None, Some(next)) => match self.sched.accepted(i, w.path.len(), next) {
+                        Ok(()) => Outcome::Go,
+                        Err(e) => Outcome::Fail(format!("scheduling: {e}")),
+                    },
+                    (None, None) => Outcome::Fail(
+                        "verifying the draft tree: expected a next token from the acceptance \
+                         walk, found none"
+                            .into(),
+                    ),
+                }
+            }
+            Readback::Row(row) => {
+                let Some(l) = logits.of_token(row) else {
+                    return Outcome::Fail(format!(
+                        "the forward returned no logits for batch row {row}"
+                    ));
+                };
+                let id = a.sampler.sample(l, &[]);
+                if let Some((finish, _)) = a.emitter.emit(&a.job, id, l, env_plain) {
+                    return Outcome::Finish(finish);
+                }
+                if let Some(s) = a.spec.as_mut() {
+                    s.history.push(id);
+                    s.out.push(id);
+                }
+                match self.sched.sampled(i, id) {
+                    Ok(()) => Outcome::Go,
+                    Err(e) => Outcome::Fail(format!("scheduling: {e}")),
+                }
+            }
+        }
     }
 
     fn apply(&mut self, outcomes: Vec<(usize, Outcome)>) {
