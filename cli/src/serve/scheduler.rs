@@ -920,4 +920,91 @@ mod tests {
             ",
         );
     }
+
+    /// Every prompt-length mix of up to three sequences under budgets 1..=6, run to the end
+    /// (each sequence decodes three tokens after its prompt, then finishes): each prompt is fed
+    /// exactly once, in order, at positions equal to its token indices; no step feeds more
+    /// prompt tokens than the budget, nor leaves budget unused while a prompt waits; logits
+    /// come with a prompt's last token only; decode positions follow the prompt one by one.
+    #[test]
+    fn every_mix_is_fed_once_in_order_within_the_budget() {
+        const DECODES: u32 = 3;
+        let lens = [1usize, 2, 3, 5, 8];
+        let mut mixes: Vec<Vec<usize>> = Vec::new();
+        for &a in &lens {
+            mixes.push(vec![a]);
+            for &b in &lens {
+                mixes.push(vec![a, b]);
+                for &c in &lens {
+                    mixes.push(vec![a, b, c]);
+                }
+            }
+        }
+        for budget in 1..=6usize {
+            for mix in &mixes {
+                let ctx = format!("budget {budget}, prompts {mix:?}");
+                let mut s: Scheduler<usize> = Scheduler::new(mix.len(), budget);
+                for (i, &len) in mix.iter().enumerate() {
+                    assert_eq!(s.admit(len, false, i).ok(), Some(i), "{ctx}");
+                }
+                // What each sequence was fed so far, tracked apart from the scheduler.
+                let mut fed = vec![0usize; mix.len()];
+                let mut decoded = vec![0u32; mix.len()];
+                let mut steps = 0;
+                while s.n_active() > 0 {
+                    steps += 1;
+                    assert!(steps <= 100, "{ctx}: no end after 100 steps");
+                    let plan = s.plan();
+                    let mut prompt_tokens = 0;
+                    for w in &plan {
+                        match w.clone() {
+                            Work::Prefill {
+                                slot,
+                                seq,
+                                range,
+                                pos0,
+                                logits_for_last,
+                            } => {
+                                assert_eq!(seq as usize, slot, "{ctx}");
+                                assert_eq!(range.start, fed[slot], "{ctx}: {w:?}");
+                                assert!(range.end > range.start, "{ctx}: {w:?}");
+                                assert_eq!(pos0 as usize, range.start, "{ctx}: {w:?}");
+                                assert_eq!(logits_for_last, range.end == mix[slot], "{ctx}: {w:?}");
+                                prompt_tokens += range.len();
+                                fed[slot] = range.end;
+                                if logits_for_last {
+                                    let sampled = s.sampled(slot, 100 + slot as u32);
+                                    assert_eq!(sampled, Ok(()), "{ctx}: {w:?}");
+                                }
+                            }
+                            Work::Decode {
+                                slot, token, pos, ..
+                            } => {
+                                assert_eq!(fed[slot], mix[slot], "{ctx}: {w:?}");
+                                assert_eq!(token, 100 + slot as u32 + decoded[slot], "{ctx}");
+                                assert_eq!(pos as usize, mix[slot] + decoded[slot] as usize);
+                                decoded[slot] += 1;
+                                if decoded[slot] == DECODES {
+                                    assert!(s.remove(slot).is_some(), "{ctx}: {w:?}");
+                                } else {
+                                    let next = 100 + slot as u32 + decoded[slot];
+                                    assert_eq!(s.sampled(slot, next), Ok(()), "{ctx}: {w:?}");
+                                }
+                            }
+                            Work::Speculate { .. } => panic!("{ctx}: a tree without speculation"),
+                        }
+                    }
+                    assert!(prompt_tokens <= budget, "{ctx}: {plan:?}");
+                    let waiting =
+                        (0..mix.len()).any(|i| s.state(i).is_some_and(|st| st.fed < st.prompt_len));
+                    assert!(
+                        !waiting || prompt_tokens == budget,
+                        "{ctx}: {prompt_tokens} of {budget} budget used while a prompt waits: {plan:?}"
+                    );
+                }
+                assert_eq!(fed, *mix, "{ctx}");
+                assert!(decoded.iter().all(|&d| d == DECODES), "{ctx}: {decoded:?}");
+            }
+        }
+    }
 }
