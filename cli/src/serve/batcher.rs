@@ -9,14 +9,16 @@
 //!    the waiting handler was dropped) are cancelled and their cells freed;
 //! 2. waiting requests join the running batch while slots are free (between decode steps, never
 //!    in the middle of one);
-//! 3. one batch is built: up to `prefill_chunk` prompt tokens of the sequences still
-//!    prefilling (long prompts span several steps), and for each decoding sequence its next
-//!    sampled token, or with `--spec tree` its draft tree (the sampled token as root, the
-//!    nodes under it; a root alone when its policy decodes plainly);
+//! 3. the [`Scheduler`] plans the step (up to `prefill_chunk` prompt tokens of the sequences
+//!    still prefilling, long prompts spanning several steps, and for each decoding sequence its
+//!    next sampled token, or with `--spec tree` a draft tree rooted at it) and one batch is
+//!    built from the plan (a tree's nodes under its root; a root alone when its policy decodes
+//!    plainly);
 //! 4. one forward; each sequence that asked for logits samples its next token with its own
 //!    sampler, or walks its verified tree (the target's draw at each node, the lossless
 //!    acceptance of [`engine::spec`]), checks end-of-generation, stop strings and its token
-//!    limit at every token, and sends the newly complete text to its client;
+//!    limit at every token, sends the newly complete text to its client, and reports the
+//!    sampled token or the tree's accepted path back to the scheduler;
 //! 5. the batch's cells are committed, or with trees compacted to the accepted paths; finished
 //!    sequences are removed from the cache.
 //!
@@ -31,7 +33,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use engine::exec::{AnyEngine, BatchEngine};
 use engine::model::Model;
-use engine::runtime::{Batch, KvDtype, Logits, SeqId};
+use engine::runtime::{Batch, KvDtype, Logits};
 use engine::sampling::{Sampler, SamplerConfig};
 use engine::spec::verify::push_tree;
 use engine::spec::{
@@ -43,6 +45,7 @@ use tokio::sync::mpsc::UnboundedSender;
 
 use super::chat::ChatTemplate;
 use super::hooks::Hooks;
+use super::scheduler::{Scheduler, Work};
 use super::{AppState, ModelInfo};
 use crate::generate::Draft;
 
@@ -238,7 +241,7 @@ fn serve_on<E: BatchEngine>(
         engine,
         tokenizer: &loaded.tokenizer,
         cache,
-        slots: (0..cfg.max_batch).map(|_| None).collect(),
+        sched: Scheduler::new(cfg.max_batch, cfg.prefill_chunk),
         state,
         cfg,
         draft: loaded.draft,
@@ -343,27 +346,24 @@ struct SeqSpec<'a> {
     history: Vec<u32>,
     /// Emitted tokens (what the policy observes).
     out: Vec<u32>,
-    /// This step's tree and the batch index of its root.
-    tree: Option<(Tree, usize)>,
 }
 
+/// A running request beside its scheduling state (which the [`Scheduler`] holds).
 struct Active<'t> {
-    seq: SeqId,
     job: Job,
     sampler: Sampler,
-    /// Prompt tokens already in the cache.
-    fed: usize,
-    /// The sequence's next position.
-    pos: u32,
-    /// The last sampled token, to feed in the next step.
-    next: Option<u32>,
     emitter: Emitter<'t>,
     spec: Option<SeqSpec<'t>>,
-    /// This step's batch index whose logits this sequence samples from (prefill and plain
-    /// decoding).
-    row: Option<usize>,
-    /// Whether this step's batch holds tokens of this sequence.
-    in_batch: bool,
+}
+
+/// What a sequence with tokens in this step's batch reads back from the forward.
+enum Readback {
+    /// Nothing: a prompt chunk before the prompt's last token.
+    Nothing,
+    /// The logits of this batch index (a prompt's last token or a decode token), to sample.
+    Row(usize),
+    /// Its draft tree, the root at this batch index, to walk.
+    Tree(Tree, usize),
 }
 
 /// What one step decided for a sequence.
@@ -377,7 +377,8 @@ struct Batcher<'a, 'm, E: BatchEngine> {
     engine: &'a E,
     tokenizer: &'a Tokenizer,
     cache: E::Cache,
-    slots: Vec<Option<Active<'a>>>,
+    /// The running sequences and the policy that feeds them.
+    sched: Scheduler<Active<'a>>,
     state: &'a AppState,
     cfg: &'a EngineConfig,
     draft: Option<&'a AnyEngine<'m>>,
@@ -405,7 +406,7 @@ impl<'a, 'm, E: BatchEngine> Batcher<'a, 'm, E> {
                     Err(RecvTimeoutError::Disconnected) => return,
                 }
             }
-            while self.slots.iter().any(Option::is_none) {
+            while self.sched.has_free_slot() {
                 match rx.try_recv() {
                     Ok(job) => self.admit(job),
                     Err(_) => break,
@@ -424,7 +425,7 @@ impl<'a, 'm, E: BatchEngine> Batcher<'a, 'm, E> {
     }
 
     fn n_active(&self) -> usize {
-        self.slots.iter().filter(|s| s.is_some()).count()
+        self.sched.n_active()
     }
 
     fn env(&self, proves_ready: bool) -> Env<'a> {
@@ -466,7 +467,6 @@ impl<'a, 'm, E: BatchEngine> Batcher<'a, 'm, E> {
             policy,
             history: prompt.to_vec(),
             out: Vec::new(),
-            tree: None,
         }))
     }
 
@@ -479,13 +479,12 @@ impl<'a, 'm, E: BatchEngine> Batcher<'a, 'm, E> {
             self.state.metrics.cancelled.fetch_add(1, Ordering::Relaxed);
             return;
         }
-        let Some(i) = self.slots.iter().position(Option::is_none) else {
-            // The caller admits only while a slot is free.
-            let _ = job
-                .events
-                .send(Event::Failed("no free slot in the running batch".into()));
+        let n_prompt = job.prompt.len();
+        if let Err(e) = self.sched.check_admit(n_prompt) {
+            // The caller admits only while a slot is free, and the routes refuse empty prompts.
+            let _ = job.events.send(Event::Failed(e.to_string()));
             return;
-        };
+        }
         let spec = match self.seq_spec(&job.prompt) {
             Ok(s) => s,
             Err(reason) => {
@@ -493,19 +492,11 @@ impl<'a, 'm, E: BatchEngine> Batcher<'a, 'm, E> {
                 return;
             }
         };
-        if !job.probe {
-            self.state
-                .metrics
-                .prompt_tokens
-                .fetch_add(job.prompt.len() as u64, Ordering::Relaxed);
-        }
-        self.slots[i] = Some(Active {
-            seq: i as SeqId,
+        let probe = job.probe;
+        let speculates = spec.is_some();
+        let active = Active {
             sampler: Sampler::new(job.sampler),
             job,
-            fed: 0,
-            pos: 0,
-            next: None,
             emitter: Emitter {
                 generated: 0,
                 decoder: self.tokenizer.stream_decoder(),
@@ -513,150 +504,130 @@ impl<'a, 'm, E: BatchEngine> Batcher<'a, 'm, E> {
                 last_token: None,
             },
             spec,
-            row: None,
-            in_batch: false,
-        });
-    }
-
-    fn drop_cancelled(&mut self) {
-        for slot in &mut self.slots {
-            if slot.as_ref().is_some_and(|a| a.job.events.is_closed()) {
-                if let Some(a) = slot.take() {
-                    self.engine.remove_seq(&mut self.cache, a.seq);
-                    self.state.metrics.cancelled.fetch_add(1, Ordering::Relaxed);
-                    tracing::debug!(
-                        seq = a.seq,
-                        generated = a.emitter.generated,
-                        "client went away; cancelled"
-                    );
-                }
+        };
+        match self.sched.admit(n_prompt, speculates, active) {
+            Ok(_) if !probe => {
+                self.state
+                    .metrics
+                    .prompt_tokens
+                    .fetch_add(n_prompt as u64, Ordering::Relaxed);
+            }
+            Ok(_) => {}
+            Err((e, a)) => {
+                let _ = a.job.events.send(Event::Failed(e.to_string()));
             }
         }
     }
 
-    /// One step: build the batch, one forward, then every sequence in it samples (or walks its
-    /// verified tree), the cells it keeps are kept, and finished sequences leave.
-    fn step(&mut self) {
-        let mut batch = Batch::new();
-        let mut budget = self.cfg.prefill_chunk.max(1);
-        let mut outcomes: Vec<(usize, Outcome)> = Vec::new();
-        for (i, slot) in self.slots.iter_mut().enumerate() {
-            let Some(a) = slot.as_mut() else { continue };
-            a.row = None;
-            a.in_batch = false;
-            let n_prompt = a.job.prompt.len();
-            if a.fed < n_prompt {
-                let n = (n_prompt - a.fed).min(budget);
-                if n == 0 {
-                    continue;
-                }
-                budget -= n;
-                a.in_batch = true;
-                for j in a.fed..a.fed + n {
-                    let last = j + 1 == n_prompt;
-                    let idx = batch.push(a.job.prompt[j], a.pos, a.seq, last);
-                    a.pos += 1;
+    fn drop_cancelled(&mut self) {
+        let gone: Vec<usize> = self
+            .sched
+            .occupied()
+            .filter(|(_, a)| a.job.events.is_closed())
+            .map(|(i, _)| i)
+            .collect();
+        for i in gone {
+            if let Some((seq, a)) = self.sched.remove(i) {
+                self.engine.remove_seq(&mut self.cache, seq);
+                self.state.metrics.cancelled.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(
+                    seq,
+                    generated = a.emitter.generated,
+                    "client went away; cancelled"
+                );
+            }
+        }
+    }
+
+    /// Put one planned item into `batch`: its tokens, or the tree drafted for its root.
+    fn push_work(&mut self, batch: &mut Batch, work: &Work) -> Result<Readback, String> {
+        let slot = work.slot();
+        let a = self
+            .sched
+            .get_mut(slot)
+            .ok_or_else(|| format!("expected a sequence in slot {slot}, found a free slot"))?;
+        match *work {
+            Work::Prefill {
+                seq,
+                ref range,
+                pos0,
+                logits_for_last,
+                ..
+            } => {
+                let tokens = a.job.prompt.get(range.clone()).ok_or_else(|| {
+                    format!(
+                        "expected prompt tokens {range:?}, found a prompt of {} tokens",
+                        a.job.prompt.len()
+                    )
+                })?;
+                let mut row = None;
+                for (k, &t) in tokens.iter().enumerate() {
+                    let last = logits_for_last && k + 1 == tokens.len();
+                    let idx = batch.push(t, pos0 + k as u32, seq, last);
                     if last {
-                        a.row = Some(idx);
+                        row = Some(idx);
                     }
                 }
-                a.fed += n;
-            } else if let Some(t) = a.next {
-                a.in_batch = true;
-                match a.spec.as_mut() {
-                    None => {
-                        a.row = Some(batch.push(t, a.pos, a.seq, true));
-                        a.pos += 1;
+                Ok(row.map_or(Readback::Nothing, Readback::Row))
+            }
+            Work::Decode {
+                seq, token, pos, ..
+            } => Ok(Readback::Row(batch.push(token, pos, seq, true))),
+            Work::Speculate { seq, root, pos, .. } => {
+                let s = a.spec.as_mut().ok_or_else(|| {
+                    format!(
+                        "drafting: a tree was planned for slot {slot}, which does not speculate"
+                    )
+                })?;
+                let tree = draft(s, self.cfg).map_err(|e| format!("drafting: {e}"))?;
+                match tree.tokens().first() {
+                    Some(&r) if r == root => {}
+                    found => {
+                        return Err(format!(
+                            "drafting: expected a tree rooted at the pending token {root}, found root {found:?}"
+                        ))
                     }
-                    Some(s) => match draft(s, self.cfg) {
-                        Ok(tree) => {
-                            let base = push_tree(&mut batch, &tree, a.seq, a.pos, true);
-                            s.tree = Some((tree, base));
-                        }
-                        Err(e) => {
-                            a.in_batch = false;
-                            outcomes.push((i, Outcome::Fail(format!("drafting: {e}"))));
-                        }
-                    },
                 }
+                let base = push_tree(batch, &tree, seq, pos, true);
+                Ok(Readback::Tree(tree, base))
+            }
+        }
+    }
+
+    /// One step: the scheduler's plan becomes one batch and one forward, then every sequence
+    /// in it samples (or walks its verified tree) and reports back, the cells it keeps are
+    /// kept, and finished sequences leave.
+    fn step(&mut self) {
+        let plan = self.sched.plan();
+        let mut batch = Batch::new();
+        let mut outcomes: Vec<(usize, Outcome)> = Vec::new();
+        // The sequences with tokens in the batch, in slot order, and what each reads back.
+        let mut fed: Vec<(usize, Readback)> = Vec::with_capacity(plan.len());
+        for work in &plan {
+            match self.push_work(&mut batch, work) {
+                Ok(r) => fed.push((work.slot(), r)),
+                Err(reason) => outcomes.push((work.slot(), Outcome::Fail(reason))),
             }
         }
         if batch.is_empty() {
             self.apply(outcomes);
             return;
         }
-        if let Some(d) = self.cfg.hooks.step_delay {
-            std::thread::sleep(d);
-        }
-        let result = match self.cfg.hooks.broken() {
-            Some(reason) => Err(reason),
-            None => self
-                .engine
-                .forward_batch(&mut self.cache, &batch)
-                .map_err(|e| format!("forward of a batch of {} tokens: {e}", batch.len())),
-        };
-        let logits = match result {
+        let logits = match self.forward(&batch) {
             Ok(l) => l,
             Err(reason) => {
-                tracing::error!(%reason, "generation failed");
-                self.state
-                    .ready
-                    .failed(format!("generation failed: {reason}"));
-                for (i, slot) in self.slots.iter().enumerate() {
-                    if slot.as_ref().is_some_and(|a| a.in_batch) {
-                        outcomes.push((i, Outcome::Fail(reason.clone())));
-                    }
-                }
+                outcomes.extend(fed.iter().map(|&(i, _)| (i, Outcome::Fail(reason.clone()))));
                 self.apply(outcomes);
                 return;
             }
         };
-
         // Tree nodes are kept only on the accepted path; everything else of the batch is kept.
         let mut keep: Vec<bool> = vec![true; batch.len()];
-        let mut any_tree = false;
-        let (env_round, env_plain) = (self.env(true), self.env(self.cfg.spec.is_none()));
-        for i in 0..self.slots.len() {
-            let Some(a) = self.slots[i].as_mut() else {
-                continue;
-            };
-            if let Some((tree, base)) = a.spec.as_mut().and_then(|s| s.tree.take()) {
-                any_tree = true;
-                keep[base..base + tree.len()].fill(false);
-                let outcome = match walk_tree(a, &tree, base, &logits, env_round) {
-                    Ok((path, finish)) => {
-                        for &n in &path {
-                            keep[base + n] = true;
-                        }
-                        finish.map_or(Outcome::Go, Outcome::Finish)
-                    }
-                    Err(e) => Outcome::Fail(format!("verifying the draft tree: {e}")),
-                };
-                if !matches!(outcome, Outcome::Go) {
-                    outcomes.push((i, outcome));
-                }
-                continue;
-            }
-            let Some(row) = a.row else { continue };
-            let Some(l) = logits.of_token(row) else {
-                outcomes.push((
-                    i,
-                    Outcome::Fail(format!(
-                        "the forward returned no logits for batch row {row}"
-                    )),
-                ));
-                continue;
-            };
-            let id = a.sampler.sample(l, &[]);
-            match a.emitter.emit(&a.job, id, l, env_plain) {
-                None => {
-                    a.next = Some(id);
-                    if let Some(s) = a.spec.as_mut() {
-                        s.history.push(id);
-                        s.out.push(id);
-                    }
-                }
-                Some((finish, _)) => outcomes.push((i, Outcome::Finish(finish))),
+        let any_tree = fed.iter().any(|(_, r)| matches!(r, Readback::Tree(..)));
+        for (i, readback) in fed {
+            match self.read_back(i, readback, &logits, &mut keep) {
+                Outcome::Go => {}
+                o => outcomes.push((i, o)),
             }
         }
         let kept = if any_tree {
@@ -669,16 +640,99 @@ impl<'a, 'm, E: BatchEngine> Batcher<'a, 'm, E> {
         if let Err(e) = kept {
             // The cache no longer matches any sequence's text: every running one is lost.
             let reason = format!("keeping the accepted cells: {e}");
-            tracing::error!(%reason, "generation failed");
-            self.state
-                .ready
-                .failed(format!("generation failed: {reason}"));
-            outcomes = (0..self.slots.len())
-                .filter(|&i| self.slots[i].is_some())
-                .map(|i| (i, Outcome::Fail(reason.clone())))
+            self.generation_failed(&reason);
+            outcomes = self
+                .sched
+                .occupied()
+                .map(|(i, _)| (i, Outcome::Fail(reason.clone())))
                 .collect();
         }
         self.apply(outcomes);
+    }
+
+    /// The step's forward (or the test hooks' delay and failure).
+    fn forward(&mut self, batch: &Batch) -> Result<Logits, String> {
+        if let Some(d) = self.cfg.hooks.step_delay {
+            std::thread::sleep(d);
+        }
+        let result = match self.cfg.hooks.broken() {
+            Some(reason) => Err(reason),
+            None => self
+                .engine
+                .forward_batch(&mut self.cache, batch)
+                .map_err(|e| format!("forward of a batch of {} tokens: {e}", batch.len())),
+        };
+        if let Err(reason) = &result {
+            self.generation_failed(reason);
+        }
+        result
+    }
+
+    fn generation_failed(&self, reason: &str) {
+        tracing::error!(%reason, "generation failed");
+        self.state
+            .ready
+            .failed(format!("generation failed: {reason}"));
+    }
+
+    /// Sequence `i`'s share of the forward: sample from its row or walk its tree, emit, and
+    /// report to the scheduler; a tree's nodes off the accepted path are cleared in `keep`.
+    fn read_back(
+        &mut self,
+        i: usize,
+        readback: Readback,
+        logits: &Logits,
+        keep: &mut [bool],
+    ) -> Outcome {
+        let env_round = self.env(true);
+        let env_plain = self.env(self.cfg.spec.is_none());
+        let Some(a) = self.sched.get_mut(i) else {
+            return Outcome::Go;
+        };
+        match readback {
+            Readback::Nothing => Outcome::Go,
+            Readback::Tree(tree, base) => {
+                keep[base..base + tree.len()].fill(false);
+                let w = match walk_tree(a, &tree, base, logits, env_round) {
+                    Ok(w) => w,
+                    Err(e) => return Outcome::Fail(format!("verifying the draft tree: {e}")),
+                };
+                for &n in &w.path {
+                    keep[base + n] = true;
+                }
+                match (w.finish, w.next) {
+                    (Some(f), _) => Outcome::Finish(f),
+                    (None, Some(next)) => match self.sched.accepted(i, w.path.len(), next) {
+                        Ok(()) => Outcome::Go,
+                        Err(e) => Outcome::Fail(format!("scheduling: {e}")),
+                    },
+                    (None, None) => Outcome::Fail(
+                        "verifying the draft tree: expected a next token from the acceptance \
+                         walk, found none"
+                            .into(),
+                    ),
+                }
+            }
+            Readback::Row(row) => {
+                let Some(l) = logits.of_token(row) else {
+                    return Outcome::Fail(format!(
+                        "the forward returned no logits for batch row {row}"
+                    ));
+                };
+                let id = a.sampler.sample(l, &[]);
+                if let Some((finish, _)) = a.emitter.emit(&a.job, id, l, env_plain) {
+                    return Outcome::Finish(finish);
+                }
+                if let Some(s) = a.spec.as_mut() {
+                    s.history.push(id);
+                    s.out.push(id);
+                }
+                match self.sched.sampled(i, id) {
+                    Ok(()) => Outcome::Go,
+                    Err(e) => Outcome::Fail(format!("scheduling: {e}")),
+                }
+            }
+        }
     }
 
     fn apply(&mut self, outcomes: Vec<(usize, Outcome)>) {
@@ -692,10 +746,10 @@ impl<'a, 'm, E: BatchEngine> Batcher<'a, 'm, E> {
     }
 
     fn finish(&mut self, i: usize, finish: Finish) {
-        let Some(mut a) = self.slots[i].take() else {
+        let Some((seq, mut a)) = self.sched.remove(i) else {
             return;
         };
-        self.engine.remove_seq(&mut self.cache, a.seq);
+        self.engine.remove_seq(&mut self.cache, seq);
         let mut tail = std::mem::take(&mut a.emitter.held);
         tail.push_str(&a.emitter.decoder.finish());
         if finish == Finish::Length && !tail.is_empty() {
@@ -717,8 +771,8 @@ impl<'a, 'm, E: BatchEngine> Batcher<'a, 'm, E> {
     }
 
     fn finish_failed(&mut self, i: usize, reason: String) {
-        if let Some(a) = self.slots[i].take() {
-            self.engine.remove_seq(&mut self.cache, a.seq);
+        if let Some((seq, a)) = self.sched.remove(i) {
+            self.engine.remove_seq(&mut self.cache, seq);
             let _ = a.job.events.send(Event::Failed(reason));
         }
     }
@@ -741,24 +795,30 @@ fn draft(s: &mut SeqSpec<'_>, cfg: &EngineConfig) -> Result<Tree, SpecError> {
     Ok(tree)
 }
 
+/// A verified tree's walk as the loop reports it.
+struct TreeWalk {
+    /// The accepted path (tree nodes, the root first).
+    path: Vec<usize>,
+    /// The last token emitted: the next tree's root.
+    next: Option<u32>,
+    /// How the sequence ends, if it does.
+    finish: Option<Finish>,
+}
+
 /// Walk sequence `a`'s verified tree (its nodes at batch indices `base..`): the target's draw at
-/// each visited node, emitted through the sequence's emitter, down the matching child. Returns
-/// the accepted path (tree nodes) and how the sequence ends, if it does.
+/// each visited node, emitted through the sequence's emitter, down the matching child.
 fn walk_tree(
     a: &mut Active<'_>,
     tree: &Tree,
     base: usize,
     logits: &Logits,
     env: Env<'_>,
-) -> Result<(Vec<usize>, Option<Finish>), SpecError> {
+) -> Result<TreeWalk, SpecError> {
     let Active {
         job,
         sampler,
         emitter,
         spec,
-        pos,
-        next,
-        ..
     } = a;
     let s = spec
         .as_mut()
@@ -802,11 +862,11 @@ fn walk_tree(
     if let Some(p) = s.policy.as_mut() {
         p.observe(&s.out);
     }
-    if finish.is_none() {
-        *pos += w.path.len() as u32;
-        *next = w.emitted.last().copied();
-    }
-    Ok((w.path, finish))
+    Ok(TreeWalk {
+        next: w.emitted.last().copied(),
+        path: w.path,
+        finish,
+    })
 }
 
 /// Append `piece` to the held-back text and return what can be sent now, and whether a stop

@@ -7,7 +7,9 @@
 //! - [`api`]: request bodies and their validation; [`error`]: OpenAI error objects.
 //! - [`batcher`]: the engine thread, continuous batching over the core's ragged batches (the
 //!   model whole or `--tp N` ranks), tree speculation per sequence with `--spec tree`,
-//!   cancellation when a client goes away.
+//!   cancellation when a client goes away; [`scheduler`]: its scheduling policy (admission,
+//!   prefill chunks under the token budget, decode and speculation items, the bookkeeping after
+//!   a step), model-free and unit-tested.
 //! - [`readiness`] and the prober below; [`chat`]: the chat template (minijinja);
 //!   [`metrics`]; [`hooks`]: test-only fault and delay hooks.
 //!
@@ -23,6 +25,7 @@ pub mod hooks;
 pub mod metrics;
 pub mod readiness;
 pub mod routes;
+pub mod scheduler;
 
 use std::io::Write;
 use std::path::PathBuf;
