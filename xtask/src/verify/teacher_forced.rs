@@ -10,7 +10,7 @@ use engine::exec::{self, AnyEngine, Session, Topology};
 use engine::model::Model;
 use engine::taps::TapRecorder;
 use engine::tokenizer::Tokenizer;
-use harness::cases::Case;
+use harness::cases::{Backend, Case};
 use harness::coherence::{self, DegeneracyParams};
 use harness::gate::GateResult;
 use harness::report::{CaseResult, Figure};
@@ -181,7 +181,8 @@ pub fn run(
     let mut measured = None;
     // Throughput is judged on the real model only: a fixture's forward pass takes microseconds,
     // so its tokens/s on a shared machine is noise, not a signal.
-    if env.bench && env.real && split.is_none() {
+    // Nor on the emulated CUDA device, whose speed says nothing about a GPU's.
+    if env.bench && env.real && split.is_none() && case.backend != Backend::CudaEmu {
         let tensors = model.gguf().tensors();
         let weights = WeightSize {
             bytes: tensors.iter().map(|t| t.n_bytes).sum::<u64>() as f64,
