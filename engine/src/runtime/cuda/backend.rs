@@ -1757,8 +1757,10 @@ mod tests {
             .map(|f| f.program())
             .unwrap_or_default();
         let e = entry_points(&mmv);
-        assert_eq!(e.len(), CUDA_TYPES.len(), "{e:?}");
+        // mmv_<type> (q8_1 or f32 activations) and mmvf_<type> (rounded f32 activations).
+        assert_eq!(e.len(), 2 * CUDA_TYPES.len(), "{e:?}");
         assert!(e.contains(&"mmv_q4_k".to_string()) && e.contains(&"mmv_iq4_xs".to_string()));
+        assert!(e.contains(&"mmvf_q4_k".to_string()) && e.contains(&"mmvf_bf16".to_string()));
         let deq = FILES
             .iter()
             .find(|f| f.name == "dequant.cu")
