@@ -488,7 +488,7 @@ impl CudaBackend {
             ActRound::Q8K => 256,
             _ => 1,
         };
-        if n % block != 0 || n > x.len() {
+        if !n.is_multiple_of(block) || n > x.len() {
             return Err(shape(
                 "activations (whole rounding blocks)",
                 n.next_multiple_of(block),
