@@ -120,14 +120,68 @@ pub struct Common {
     pub return_tokens_as_token_ids: Option<bool>,
 }
 
-/// `prompt` of `/v1/completions`: text, one text in a list, or token ids.
+/// `prompt` of `/v1/completions`: text, one text in a list, or token ids. A value of another
+/// shape is refused naming what a prompt may be and what was found (not serde's "did not match
+/// any variant of untagged enum").
 #[derive(Debug, Clone, Deserialize)]
-#[serde(untagged)]
+#[serde(try_from = "serde_json::Value")]
 pub enum Prompt {
     Text(String),
     Texts(Vec<String>),
     Ids(Vec<u32>),
     IdLists(Vec<Vec<u32>>),
+}
+
+impl TryFrom<serde_json::Value> for Prompt {
+    type Error = String;
+
+    fn try_from(v: serde_json::Value) -> Result<Prompt, String> {
+        use serde_json::Value;
+        let kind = kind_of;
+        let expected = "expected a string, a list of strings, a list of token ids \
+                        (integers 0 ..= 4294967295) or a list of such lists";
+        let found = |what: String| format!("{expected}, found {what}");
+        match v {
+            Value::String(t) => Ok(Prompt::Text(t)),
+            Value::Array(items) if items.is_empty() => Ok(Prompt::Texts(Vec::new())),
+            Value::Array(items) => match &items[0] {
+                Value::String(_) => items
+                    .iter()
+                    .map(|x| x.as_str().map(str::to_owned).ok_or(x))
+                    .collect::<Result<_, _>>()
+                    .map(Prompt::Texts)
+                    .map_err(|x| found(format!("a list of strings holding {}", kind(x)))),
+                Value::Number(_) => ids(&items)
+                    .map(Prompt::Ids)
+                    .map_err(|x| found(format!("a list of token ids holding {x}"))),
+                Value::Array(_) => items
+                    .iter()
+                    .map(|x| match x {
+                        Value::Array(inner) => {
+                            ids(inner).map_err(|e| format!("a list holding {e}"))
+                        }
+                        other => Err(format!("a list of lists holding {}", kind(other))),
+                    })
+                    .collect::<Result<_, _>>()
+                    .map(Prompt::IdLists)
+                    .map_err(|what| found(format!("a list of token-id lists: {what}"))),
+                other => Err(found(format!("a list of {}", kind(other)))),
+            },
+            other => Err(found(kind(&other).to_owned())),
+        }
+    }
+}
+
+/// Token ids, or what the first value that is not one is.
+fn ids(items: &[serde_json::Value]) -> Result<Vec<u32>, String> {
+    items
+        .iter()
+        .map(|x| {
+            x.as_u64()
+                .and_then(|n| u32::try_from(n).ok())
+                .ok_or_else(|| format!("{x} (not a token id)"))
+        })
+        .collect()
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -428,6 +482,55 @@ mod tests {
         assert_eq!(err.status.as_u16(), 400, "{body}: {err:?}");
         assert_eq!(err.param.as_deref(), param, "{body}: {err:?}");
         assert!(err.message.contains(needle), "{body}: {}", err.message);
+    }
+
+    #[test]
+    fn a_prompt_of_the_wrong_shape_says_what_a_prompt_may_be() {
+        let check = |v: Value, expect: Result<&str, &str>| {
+            let got = serde_json::from_value::<Prompt>(v.clone()).map(|p| format!("{p:?}"));
+            match expect {
+                Ok(debug) => assert_eq!(got.as_deref().ok(), Some(debug), "{v}"),
+                Err(found) => {
+                    let e = got.err().map(|e| e.to_string()).unwrap_or_default();
+                    assert!(
+                        e.starts_with("expected a string, a list of strings"),
+                        "{v}: {e}"
+                    );
+                    assert!(e.ends_with(&format!("found {found}")), "{v}: {e}");
+                }
+            }
+        };
+        check(json!("hi"), Ok("Text(\"hi\")"));
+        check(json!(["a", "b"]), Ok("Texts([\"a\", \"b\"])"));
+        check(json!([1, 2]), Ok("Ids([1, 2])"));
+        check(json!([[1], [2, 3]]), Ok("IdLists([[1], [2, 3]])"));
+        check(json!(5), Err("a number"));
+        check(json!(null), Err("null"));
+        check(json!({"text": "x"}), Err("an object"));
+        check(json!(["a", 1]), Err("a list of strings holding a number"));
+        check(
+            json!([1, -2]),
+            Err("a list of token ids holding -2 (not a token id)"),
+        );
+        check(
+            json!([1, 4294967296u64]),
+            Err("a list of token ids holding 4294967296 (not a token id)"),
+        );
+        check(
+            json!([[1], "x"]),
+            Err("a list of token-id lists: a list of lists holding a string"),
+        );
+        check(json!([true]), Err("a list of a boolean"));
+        // Through the request parser: the field is named once, with what a prompt may be.
+        let e = from_value::<CompletionBody>(&json!({"prompt": 5}))
+            .err()
+            .map(|e| e.message)
+            .unwrap_or_default();
+        assert!(
+            e.starts_with("field `prompt`: expected a string, a list of strings")
+                && e.ends_with("found a number"),
+            "{e}"
+        );
     }
 
     #[test]
