@@ -296,6 +296,9 @@ struct Emitter<'t> {
     decoder: StreamDecoder<'t>,
     /// Text not sent yet because it may be the start of a stop string.
     held: String,
+    /// A stop string ended the sequence (what follows it, decoder leftovers included, is not
+    /// part of the output).
+    stop_matched: bool,
     last_token: Option<Instant>,
 }
 
@@ -329,6 +332,7 @@ impl Emitter<'_> {
         let (text, stopped) = scan_stop(&mut self.held, &piece, &job.stop);
         let _ = job.events.send(Event::Delta { text, logprob });
         if stopped {
+            self.stop_matched = true;
             return Some((Finish::Stop, Flow::Stop));
         }
         if self.generated >= job.max_tokens {
@@ -336,6 +340,20 @@ impl Emitter<'_> {
         }
         None
     }
+}
+
+/// The text a sequence still owes its client when it ends: what was held as a possible start
+/// of a stop string that never came, and the decoder's leftover bytes — whether it ended by
+/// length or by end-of-generation (an EOG right after a held "\n" with stop "\n\n" must not
+/// lose the "\n"). After a stop string nothing is owed: the text after it is not output.
+fn final_text(held: &mut String, stop_matched: bool, leftover: impl FnOnce() -> String) -> String {
+    if stop_matched {
+        held.clear();
+        return String::new();
+    }
+    let mut tail = std::mem::take(held);
+    tail.push_str(&leftover());
+    tail
 }
 
 /// A speculating sequence's drafter and policy.
@@ -501,6 +519,7 @@ impl<'a, 'm, E: BatchEngine> Batcher<'a, 'm, E> {
                 generated: 0,
                 decoder: self.tokenizer.stream_decoder(),
                 held: String::new(),
+                stop_matched: false,
                 last_token: None,
             },
             spec,
@@ -750,9 +769,9 @@ impl<'a, 'm, E: BatchEngine> Batcher<'a, 'm, E> {
             return;
         };
         self.engine.remove_seq(&mut self.cache, seq);
-        let mut tail = std::mem::take(&mut a.emitter.held);
-        tail.push_str(&a.emitter.decoder.finish());
-        if finish == Finish::Length && !tail.is_empty() {
+        let e = &mut a.emitter;
+        let tail = final_text(&mut e.held, e.stop_matched, || e.decoder.finish());
+        if !tail.is_empty() {
             let _ = a.job.events.send(Event::Delta {
                 text: tail,
                 logprob: None,
@@ -958,6 +977,29 @@ fn token_logprob(tok: &Tokenizer, logits: &[f32], id: u32, k: usize) -> TokenLog
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The bug issue 28 found: text held as a possible stop-string start was dropped when the
+    /// sequence ended by end-of-generation instead of by length.
+    #[test]
+    fn held_text_is_owed_at_the_end_unless_a_stop_string_ended_it() {
+        let stops = vec!["\n\n".to_string()];
+        let mut held = String::new();
+        let (sent, stopped) = scan_stop(&mut held, "Paris.\n", &stops);
+        assert_eq!((sent.as_str(), stopped), ("Paris.", false));
+        assert_eq!(held, "\n");
+        // End-of-generation (or length) now: the held "\n" and the decoder's leftover are owed.
+        let mut h = held.clone();
+        assert_eq!(
+            final_text(&mut h, false, || "\u{fffd}".into()),
+            "\n\u{fffd}"
+        );
+        assert!(h.is_empty());
+        // A stop string ended it: nothing after it is output, leftovers included.
+        let mut h = held.clone();
+        let (sent, stopped) = scan_stop(&mut h, "\nMore", &stops);
+        assert_eq!((sent.as_str(), stopped), ("", true));
+        assert_eq!(final_text(&mut h, true, || "x".into()), "");
+    }
 
     fn run_stops(pieces: &[&str], stops: &[&str]) -> (String, bool) {
         let stops: Vec<String> = stops.iter().map(|s| s.to_string()).collect();
