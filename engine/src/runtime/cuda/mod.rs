@@ -27,12 +27,6 @@ pub mod report;
 pub mod sources;
 
 #[cfg(test)]
-mod emu;
-#[cfg(test)]
-mod gpu;
-#[cfg(test)]
-mod suite;
-#[cfg(test)]
 mod tests;
 
 pub use arch::{CUDA_MAJOR, TARGET_ARCHS};

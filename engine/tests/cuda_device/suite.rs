@@ -11,14 +11,14 @@ use std::borrow::Cow;
 
 use kernels::quant::GgmlType;
 
-use super::backend::{CudaBackend, CUDA_TYPES, GEMM_MIN_TOKENS};
-use crate::model::Model;
-use crate::runtime::backend::{
+use engine::model::Model;
+use engine::runtime::cuda::backend::{CudaBackend, CUDA_TYPES, GEMM_MIN_TOKENS};
+use engine::runtime::params::{Activation, Gating, MoeConfig, RopeConfig, RopeStyle, Yarn};
+use engine::runtime::sampling::{self, Rng, Sampler, SamplerConfig};
+use engine::runtime::CpuBackend;
+use engine::runtime::{
     AttnMeta, Backend, CellMeta, KvDtype, KvSource, Mask, QueryMeta, Strided, WeightData,
 };
-use crate::runtime::params::{Activation, Gating, MoeConfig, RopeConfig, RopeStyle, Yarn};
-use crate::runtime::sampling::{self, Rng, Sampler, SamplerConfig};
-use crate::runtime::CpuBackend;
 
 fn cpu() -> CpuBackend {
     CpuBackend::new(None, Some(2)).unwrap_or_else(|e| panic!("{e}"))
@@ -342,7 +342,7 @@ fn attention_dims(
     mask: Mask,
     dtype: KvDtype,
     (n_head, n_kv, dk, dv): (usize, usize, usize, usize),
-) -> Result<(), crate::runtime::RuntimeError> {
+) -> Result<(), engine::runtime::RuntimeError> {
     let c = cpu();
     let committed = 9;
     let queries: Vec<QueryMeta> = (0..6)
@@ -441,7 +441,7 @@ fn attention_dims(
 /// the CPU; one wider is refused with a shape error naming that width, not a failed launch.
 pub(super) fn attention_head_width_limit(g: CudaBackend) {
     let r = attention_dims(&g, Mask::CAUSAL, KvDtype::F32, (1, 1, 12_288, 8));
-    let Err(crate::runtime::RuntimeError::Shape { expected, .. }) = r else {
+    let Err(engine::runtime::RuntimeError::Shape { expected, .. }) = r else {
         panic!("a 12288-wide head: expected a shape error, got {r:?}");
     };
     assert!(expected < 12_288, "{expected}");
@@ -449,7 +449,7 @@ pub(super) fn attention_head_width_limit(g: CudaBackend) {
         .unwrap_or_else(|e| panic!("the widest head, {expected}: {e}"));
     let r = attention_dims(&g, Mask::CAUSAL, KvDtype::F32, (1, 1, expected + 1, 8));
     assert!(
-        matches!(r, Err(crate::runtime::RuntimeError::Shape { .. })),
+        matches!(r, Err(engine::runtime::RuntimeError::Shape { .. })),
         "{r:?}"
     );
 }
@@ -541,7 +541,7 @@ pub(super) fn real_model_path() -> std::path::PathBuf {
 }
 
 pub(super) fn the_real_model_matches_the_cpu_backend(g: CudaBackend, model: &Model, steps: usize) {
-    use crate::exec::{Engine, Session};
+    use engine::exec::{Engine, Session};
     let c = cpu();
     let eg = Engine::new(model, &g).unwrap_or_else(|e| panic!("{e}"));
     let ec = Engine::new(model, &c).unwrap_or_else(|e| panic!("{e}"));
@@ -580,8 +580,8 @@ pub(super) fn the_real_model_matches_the_cpu_backend(g: CudaBackend, model: &Mod
 /// `Option<Model>` for the real-model test and `$steps` its number of decode steps.
 macro_rules! suite_tests {
     ($device:expr, $model:expr, $steps:expr) => {
-        use super::suite;
-        $crate::runtime::cuda::suite::suite_tests!(@each $device;
+        use crate::suite;
+        crate::suite::suite_tests!(@each $device;
             matmul_of_every_weight_type_matches_the_cpu,
             expert_products_and_routing_match_the_cpu,
             embedding_rows_of_every_type_match_the_cpu,
@@ -612,4 +612,4 @@ macro_rules! suite_tests {
         )*
     };
 }
-pub(super) use suite_tests;
+pub(crate) use suite_tests;

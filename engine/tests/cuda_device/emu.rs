@@ -1,4 +1,4 @@
-//! The device suite ([`super::suite`]) on the CUDA emulator (kernels/cuda/emu): the backend
+//! The device suite ([`crate::suite`]) on the CUDA emulator (kernels/cuda/emu): the backend
 //! unchanged — NVRTC compiles every kernel to a real sm_90 cubin, cudarc loads it and launches
 //! by name — with the driver being the emulator's `libcuda.so.1`, found through
 //! [`LibrarySearch::emulator`]. Runs on every machine with g++; without the NVRTC wheel each test
@@ -7,21 +7,15 @@
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
-use super::{driver, CudaBackend, KernelCache, LibrarySearch, Nvrtc};
-use crate::model::Model;
+use engine::model::Model;
+use engine::runtime::cuda::{driver, CudaBackend, KernelCache, LibrarySearch, Nvrtc};
 
 /// Builds the emulator (incremental; once per process) into `<target>/tmp/cuda-emu`, the
 /// folder the kernels crate's emulator tests use too.
-pub(super) fn emulator_dir() -> PathBuf {
+fn emulator_dir() -> PathBuf {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
-        let exe = std::env::current_exe().unwrap_or_else(|e| panic!("current_exe: {e}"));
-        // <target>/<profile>/deps/engine-<hash>
-        let target = exe
-            .ancestors()
-            .nth(3)
-            .unwrap_or_else(|| panic!("no target folder above {}", exe.display()));
-        let out = target.join("tmp").join("cuda-emu");
+        let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join("cuda-emu");
         let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../kernels/cuda/emu/build.sh");
         let o = std::process::Command::new("bash")
             .arg(&script)
@@ -43,7 +37,7 @@ pub(super) fn emulator_dir() -> PathBuf {
 /// The emulator built here, or the one `$PLUMBLINE_CUDA_EMU` names (e.g. an AddressSanitizer
 /// build: `build.sh DIR --asan`, with the test binary run under `LD_PRELOAD=libasan.so`).
 fn search() -> LibrarySearch {
-    match std::env::var_os(super::libs::EMULATOR_ENV).filter(|v| !v.is_empty()) {
+    match std::env::var_os(engine::runtime::cuda::libs::EMULATOR_ENV).filter(|v| !v.is_empty()) {
         Some(dir) => LibrarySearch::emulator(PathBuf::from(dir)),
         None => LibrarySearch::emulator(emulator_dir()),
     }
@@ -62,7 +56,7 @@ fn device() -> Option<CudaBackend> {
 }
 
 fn model() -> Option<Model> {
-    let path = super::suite::real_model_path();
+    let path = crate::suite::real_model_path();
     if !path.is_file() {
         println!(
             "skipped: {} is not there (cargo xtask fetch-model)",
@@ -75,7 +69,7 @@ fn model() -> Option<Model> {
 
 // Two decode steps of the real model: each costs a few seconds on the emulator (the 262144-row
 // output head dominates).
-super::suite::suite_tests!(device(), model(), 2);
+crate::suite::suite_tests!(device(), model(), 2);
 
 #[test]
 fn the_driver_probe_names_the_emulator() {
