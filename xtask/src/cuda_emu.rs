@@ -3,27 +3,23 @@
 //! where `--device cuda-emu` and the `cuda-emu` verify cases find it. Incremental: a second run
 //! rebuilds only what changed. `verify` builds it itself when it runs an emulated case.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 
 use anyhow::{bail, Context, Result};
 
-/// The workspace's root (this crate's parent folder).
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .map_or_else(|| PathBuf::from("."), Path::to_path_buf)
-}
-
 /// Where the emulator's `libcuda.so.1` is built: `target/cuda-emu` of the workspace.
 pub fn dir() -> PathBuf {
-    root().join("target").join("cuda-emu")
+    crate::gpu_archive::workspace_root()
+        .unwrap_or_else(|_| PathBuf::from("."))
+        .join("target")
+        .join("cuda-emu")
 }
 
 /// Build (or bring up to date) the emulator; its folder.
 pub fn build() -> Result<PathBuf> {
     let out = dir();
-    let script = root().join("kernels/cuda/emu/build.sh");
+    let script = crate::gpu_archive::workspace_root()?.join("kernels/cuda/emu/build.sh");
     if !script.is_file() {
         bail!(
             "{} is missing: this checkout has no CUDA emulator",

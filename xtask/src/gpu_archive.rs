@@ -136,7 +136,7 @@ pub fn run(args: Args) -> Result<()> {
     Ok(())
 }
 
-fn workspace_root() -> Result<PathBuf> {
+pub fn workspace_root() -> Result<PathBuf> {
     let here = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
     here.parent()
         .map(Path::to_path_buf)

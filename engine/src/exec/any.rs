@@ -150,7 +150,9 @@ pub mod cuda {
     /// else `target/cuda-emu` under the current directory (where the build step puts it).
     pub fn emulator_dir(dir: Option<&PathBuf>) -> PathBuf {
         dir.cloned()
-            .or_else(|| std::env::var_os("PLUMBLINE_CUDA_EMU").map(PathBuf::from))
+            .or_else(|| {
+                std::env::var_os(crate::runtime::cuda::libs::EMULATOR_ENV).map(PathBuf::from)
+            })
             .unwrap_or_else(|| PathBuf::from("target/cuda-emu"))
     }
 

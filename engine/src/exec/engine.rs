@@ -151,12 +151,7 @@ impl<'m, B: Backend + 'm> Engine<'m, B> {
                 &mut taps,
             )
         })?;
-        Ok(Logits {
-            data,
-            n_rows: rows.len(),
-            n_vocab: self.model.config().n_vocab,
-            tokens: rows.into_iter().map(|r| r as usize).collect(),
-        })
+        Ok(Logits::of_rows(data, &rows, self.model.config().n_vocab))
     }
 
     /// Run `batch`: every token at its position in its sequence, attending to its sequence's
@@ -182,11 +177,6 @@ impl<'m, B: Backend + 'm> Engine<'m, B> {
                 forward::forward(model, weights, backend, cache, batch, &mut taps)
             }
         })?;
-        Ok(Logits {
-            data,
-            n_rows: rows.len(),
-            n_vocab: self.model.config().n_vocab,
-            tokens: rows.into_iter().map(|r| r as usize).collect(),
-        })
+        Ok(Logits::of_rows(data, &rows, self.model.config().n_vocab))
     }
 }

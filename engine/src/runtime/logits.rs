@@ -13,6 +13,17 @@ pub struct Logits {
 }
 
 impl Logits {
+    /// The logits `data` (`rows.len()` rows of `n_vocab`) of batch tokens `rows`, as the forward
+    /// pass returns them.
+    pub fn of_rows(data: Vec<f32>, rows: &[u32], n_vocab: usize) -> Logits {
+        Logits {
+            data,
+            n_rows: rows.len(),
+            n_vocab,
+            tokens: rows.iter().map(|&r| r as usize).collect(),
+        }
+    }
+
     /// Row `i` (`0..n_rows`).
     pub fn row(&self, i: usize) -> &[f32] {
         self.data

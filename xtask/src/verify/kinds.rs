@@ -13,7 +13,8 @@
 use std::time::Instant;
 
 use anyhow::{ensure, Result};
-use engine::exec::{self, Topology};
+use engine::exec::{self, AnyEngine, Topology};
+use engine::tokenizer::Tokenizer;
 use harness::cases::{Case, Spec};
 use harness::report::CaseResult;
 use harness::throughput::Baseline;
@@ -68,6 +69,18 @@ impl Kinds {
     }
 }
 
+/// Run `f` on the case's model file opened whole on the case's device, with its tokenizer.
+fn on_whole_engine<R>(
+    case: &Case,
+    env: &CaseEnv<'_>,
+    f: impl FnOnce(&AnyEngine<'_>, &Tokenizer) -> Result<R>,
+) -> Result<R> {
+    let (model, tokenizer) = load_model(env.path)?;
+    let device = device_of(case.backend, env.threads)?;
+    let engine = exec::open(&model, &device, &Topology::single())?;
+    f(&engine, &tokenizer)
+}
+
 struct TeacherForced;
 
 impl CaseKind for TeacherForced {
@@ -102,21 +115,17 @@ impl CaseKind for Paths {
             "{}: path cases run on a single file at TP 1",
             case.name()
         );
-        let (model, tokenizer) = load_model(env.path)?;
-        let engine = exec::open(
-            &model,
-            &device_of(case.backend, env.threads)?,
-            &Topology::single(),
-        )?;
-        let result = super::path_case::run(
-            case,
-            &engine,
-            &tokenizer,
-            env.path,
-            env.real,
-            env.policy,
-            &mut self.refs,
-        )?;
+        let result = on_whole_engine(case, env, |engine, tokenizer| {
+            super::path_case::run(
+                case,
+                engine,
+                tokenizer,
+                env.path,
+                env.real,
+                env.policy,
+                &mut self.refs,
+            )
+        })?;
         Ok((result, None))
     }
 }
@@ -133,20 +142,16 @@ impl CaseKind for Speculation {
         let Spec::Tree { budget, top_k } = case.spec else {
             anyhow::bail!("{}: not a speculation case", case.name());
         };
-        let (model, tokenizer) = load_model(env.path)?;
-        let engine = exec::open(
-            &model,
-            &device_of(case.backend, env.threads)?,
-            &Topology::single(),
-        )?;
-        let r = super::spec_case::run(
-            &engine,
-            &tokenizer,
-            budget as usize,
-            top_k as usize,
-            env.real,
-            env.bench,
-        )?;
+        let r = on_whole_engine(case, env, |engine, tokenizer| {
+            super::spec_case::run(
+                engine,
+                tokenizer,
+                budget as usize,
+                top_k as usize,
+                env.real,
+                env.bench,
+            )
+        })?;
         let result = CaseResult::judged(&case.name(), None, r.gates, r.figures)
             .with_duration(started.elapsed().as_secs_f64());
         Ok((result, None))
