@@ -484,3 +484,136 @@ fn the_policy_falls_back_and_stays_lossless() {
         got.stats.budget_rounds
     );
 }
+
+/// Sequences that speculate side by side in one ragged batch, as the server runs them: each a
+/// [`spec::Speculation`] (draft → its tree pushed beside the others' → accept from its own rows),
+/// one forward per round for all of them, the cells kept by one compaction. Each sequence must
+/// emit what it emits alone (plain greedy decoding), whatever the other sequences drafted: a
+/// tree mask that leaks across sequences, a compaction that keeps another sequence's row, or
+/// positions shifted by a neighbour's tree all change some sequence's tokens.
+#[test]
+fn sequences_speculating_in_one_batch_each_equal_plain_decoding() {
+    use engine::exec::BatchEngine;
+    use engine::runtime::Batch;
+    use engine::spec::{verify::push_tree, Flow, SamplerTarget, Speculation};
+
+    for arch in [Arch::Llama, Arch::Gemma3, Arch::Deepseek2] {
+        let (_dir, model) = load(&Spec::new(arch));
+        let be = backend();
+        let engine = ok(Engine::new(&model, &be));
+        // Different lengths; the first two start alike, so their trees are alike too.
+        let mut short = repetitive_prompt(3);
+        short.truncate(13);
+        let prompts = [repetitive_prompt(3), short, repetitive_prompt(11)];
+        let max_tokens = [24, 17, 30];
+        let wants: Vec<Vec<u32>> = prompts
+            .iter()
+            .zip(max_tokens)
+            .map(|(p, n)| plain(&engine, p, SamplerConfig::greedy(), &limits(n)))
+            .collect();
+        let shape = TreeShape::new(8, 4);
+        // A drafter per sequence: n-gram, and synthetic ones that know the answer at 70 %
+        // (trees accepted in part, so rows are dropped between kept ones).
+        let mut seqs: Vec<Speculation<'_>> = prompts
+            .iter()
+            .zip(&wants)
+            .enumerate()
+            .map(|(i, (p, w))| {
+                let proposer: Box<dyn Proposer> = if i == 1 {
+                    Box::new(NgramProposer::new(2048))
+                } else {
+                    let mut oracle = p.clone();
+                    oracle.extend_from_slice(w);
+                    Box::new(SyntheticProposer::new(oracle, 0.7, N_VOCAB, i as u64))
+                };
+                Speculation::new(proposer, shape, p)
+            })
+            .collect();
+        let mut samplers: Vec<Sampler> = (0..seqs.len())
+            .map(|_| Sampler::new(SamplerConfig::greedy()))
+            .collect();
+        let capacity: usize = prompts.iter().map(Vec::len).sum::<usize>() + 200;
+        let mut cache = ok(engine.new_cache(capacity, KvDtype::F32));
+
+        // One prefill of every prompt, each sequence's first token from its last row.
+        let mut batch = Batch::new();
+        let rows: Vec<usize> = prompts
+            .iter()
+            .enumerate()
+            .map(|(s, p)| {
+                let mut last = 0;
+                for (k, &t) in p.iter().enumerate() {
+                    last = batch.push(t, k as u32, s as u32, k + 1 == p.len());
+                }
+                last
+            })
+            .collect();
+        let logits = ok(engine.forward_batch(&mut cache, &batch));
+        engine.commit(&mut cache);
+        let mut live: Vec<usize> = Vec::new();
+        for (s, &row) in rows.iter().enumerate() {
+            let l = logits
+                .of_token(row)
+                .unwrap_or_else(|| panic!("no row {row}"));
+            let t = samplers[s].sample(l, seqs[s].history());
+            seqs[s].push_token(t);
+            if limits(max_tokens[s]).after(&[], t) == Flow::Continue {
+                live.push(s);
+            }
+        }
+
+        let mut rounds = 0;
+        while !live.is_empty() {
+            rounds += 1;
+            assert!(rounds < 200, "{arch:?}: no end after 200 rounds");
+            let mut batch = Batch::new();
+            let trees: Vec<_> = live
+                .iter()
+                .map(|&s| {
+                    let tree = ok(seqs[s].draft());
+                    let root_pos = (seqs[s].history().len() - 1) as u32;
+                    let base = push_tree(&mut batch, &tree, s as u32, root_pos, true);
+                    (tree, base)
+                })
+                .collect();
+            let logits = ok(engine.forward_batch(&mut cache, &batch));
+            let mut keep = vec![true; batch.len()];
+            let mut still = Vec::new();
+            for (&s, (tree, base)) in live.iter().zip(&trees) {
+                keep[*base..base + tree.len()].fill(false);
+                let lim = limits(max_tokens[s]);
+                let mut row = |node: usize| {
+                    logits
+                        .of_token(base + node)
+                        .ok_or_else(|| spec::SpecError::Config(format!("no row for {node}")))
+                };
+                let mut target = SamplerTarget::new(&mut row, &mut samplers[s]);
+                let walk = ok(seqs[s].accept(tree, &mut target, &mut |out, t| lim.after(out, t)));
+                for &n in &walk.path {
+                    keep[base + n] = true;
+                }
+                if !walk.stopped {
+                    still.push(s);
+                }
+            }
+            let kept: Vec<usize> = (0..batch.len()).filter(|&k| keep[k]).collect();
+            ok(engine.compact(&mut cache, &kept));
+            for &s in live.iter().filter(|s| !still.contains(s)) {
+                engine.remove_seq(&mut cache, s as u32);
+            }
+            live = still;
+        }
+        for (s, want) in wants.iter().enumerate() {
+            check_same(
+                &format!("{arch:?} sequence {s} of {} in one batch", seqs.len()),
+                want,
+                seqs[s].emitted(),
+            );
+        }
+        assert!(
+            seqs.iter()
+                .any(|s| s.stats().drafted > 0 && s.stats().spec_rounds > 0),
+            "{arch:?}: no tree was verified"
+        );
+    }
+}

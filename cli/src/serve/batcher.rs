@@ -37,8 +37,8 @@ use engine::runtime::{Batch, KvDtype, Logits};
 use engine::sampling::{Sampler, SamplerConfig};
 use engine::spec::verify::push_tree;
 use engine::spec::{
-    draft_round, measure_cost, walk, CostCurve, CostMode, Flow, ModelProposer, NgramProposer,
-    Policy, Proposer, SamplerTarget, SpecConfig, SpecError, Tree, TreeShape,
+    measure_cost, CostCurve, CostMode, Flow, ModelProposer, NgramProposer, Policy, Proposer,
+    SamplerTarget, SpecConfig, SpecError, Speculation, Tree,
 };
 use engine::tokenizer::{StreamDecoder, Tokenizer};
 use tokio::sync::mpsc::UnboundedSender;
@@ -356,22 +356,12 @@ fn final_text(held: &mut String, stop_matched: bool, leftover: impl FnOnce() -> 
     tail
 }
 
-/// A speculating sequence's drafter and policy.
-struct SeqSpec<'a> {
-    proposer: Box<dyn Proposer + 'a>,
-    policy: Option<Policy>,
-    /// Prompt and emitted tokens: the drafter's context, its last token the next tree's root.
-    history: Vec<u32>,
-    /// Emitted tokens (what the policy observes).
-    out: Vec<u32>,
-}
-
 /// A running request beside its scheduling state (which the [`Scheduler`] holds).
 struct Active<'t> {
     job: Job,
     sampler: Sampler,
     emitter: Emitter<'t>,
-    spec: Option<SeqSpec<'t>>,
+    spec: Option<Speculation<'t>>,
 }
 
 /// What a sequence with tokens in this step's batch reads back from the forward.
@@ -455,7 +445,7 @@ impl<'a, 'm, E: BatchEngine> Batcher<'a, 'm, E> {
     }
 
     /// A fresh drafter and policy for a sequence, when speculating.
-    fn seq_spec(&self, prompt: &[u32]) -> Result<Option<SeqSpec<'a>>, String> {
+    fn seq_spec(&self, prompt: &[u32]) -> Result<Option<Speculation<'a>>, String> {
         let Some(setup) = &self.cfg.spec else {
             return Ok(None);
         };
@@ -471,21 +461,11 @@ impl<'a, 'm, E: BatchEngine> Batcher<'a, 'm, E> {
             ),
             (d, None) => return Err(format!("the drafter {d:?} was not prepared")),
         };
-        let policy = self.cost.as_ref().map(|c| {
-            let mut p = Policy::new(setup.cfg.shape.budget, c.clone());
-            p.shadow = !proposer.is_costly();
-            p.max_depth = setup.cfg.shape.max_depth;
-            if let Some(f) = proposer.self_draft_fraction() {
-                p.self_draft(f);
-            }
-            p
-        });
-        Ok(Some(SeqSpec {
-            proposer,
-            policy,
-            history: prompt.to_vec(),
-            out: Vec::new(),
-        }))
+        let mut seq = Speculation::new(proposer, setup.cfg.shape, prompt);
+        if let Some(c) = &self.cost {
+            seq.set_policy(Policy::new(setup.cfg.shape.budget, c.clone()));
+        }
+        Ok(Some(seq))
     }
 
     fn admit(&mut self, job: Job) {
@@ -598,7 +578,7 @@ impl<'a, 'm, E: BatchEngine> Batcher<'a, 'm, E> {
                         "drafting: a tree was planned for slot {slot}, which does not speculate"
                     )
                 })?;
-                let tree = draft(s, self.cfg).map_err(|e| format!("drafting: {e}"))?;
+                let tree = s.draft().map_err(|e| format!("drafting: {e}"))?;
                 match tree.tokens().first() {
                     Some(&r) if r == root => {}
                     found => {
@@ -743,8 +723,7 @@ impl<'a, 'm, E: BatchEngine> Batcher<'a, 'm, E> {
                     return Outcome::Finish(finish);
                 }
                 if let Some(s) = a.spec.as_mut() {
-                    s.history.push(id);
-                    s.out.push(id);
+                    s.push_token(id);
                 }
                 match self.sched.sampled(i, id) {
                     Ok(()) => Outcome::Go,
@@ -797,23 +776,6 @@ impl<'a, 'm, E: BatchEngine> Batcher<'a, 'm, E> {
     }
 }
 
-/// This round's tree for a speculating sequence: the policy's budget (or the fixed one), a
-/// root alone when it decodes plainly.
-fn draft(s: &mut SeqSpec<'_>, cfg: &EngineConfig) -> Result<Tree, SpecError> {
-    let shape = cfg
-        .spec
-        .as_ref()
-        .map_or(TreeShape::new(0, 0), |x| x.cfg.shape);
-    let (tree, _) = draft_round(
-        s.proposer.as_mut(),
-        s.policy.as_mut(),
-        &s.history,
-        shape,
-        s.out.len(),
-    )?;
-    Ok(tree)
-}
-
 /// A verified tree's walk as the loop reports it.
 struct TreeWalk {
     /// The accepted path (tree nodes, the root first).
@@ -853,34 +815,24 @@ fn walk_tree(
         node_logits(node)
     };
     let mut finish = None;
-    let out = &mut s.out;
-    let mut emit = |token: u32| {
+    let mut emit = |_: &[u32], token: u32| {
         let l = node_logits(at.get()).unwrap_or(&[]);
         match emitter.emit(job, token, l, env) {
-            None => {
-                out.push(token);
-                Flow::Continue
-            }
+            None => Flow::Continue,
             Some((f, flow)) => {
-                if flow == Flow::Stop {
-                    out.push(token);
-                }
                 finish = Some(f);
                 flow
             }
         }
     };
     let mut target = SamplerTarget::new(&mut row, sampler);
-    let w = walk(tree, &mut target, &mut s.history, &mut emit)?;
+    let w = s.accept(tree, &mut target, &mut emit)?;
     let m = &env.state.metrics;
     m.spec_rounds.fetch_add(1, Ordering::Relaxed);
     m.spec_drafted
         .fetch_add(tree.n_draft() as u64, Ordering::Relaxed);
     m.spec_accepted
         .fetch_add((w.path.len() - 1) as u64, Ordering::Relaxed);
-    if let Some(p) = s.policy.as_mut() {
-        p.observe(&s.out);
-    }
     Ok(TreeWalk {
         next: w.emitted.last().copied(),
         path: w.path,

@@ -19,12 +19,17 @@
 //! - After a round the cache holds exactly the emitted text's cells but the last token's, laid
 //!   out as plain decoding lays them out.
 //!
+//! One sequence's rounds are a [`Speculation`] (draft, then accept from the verified logits):
+//! [`generate`] drives one for a sequence alone in its cache, the server one per sequence of
+//! its ragged batch.
+//!
 //! Start reading at [`generate`].
 
 pub mod acceptance;
 pub mod kv;
 pub mod policy;
 pub mod proposer;
+pub mod sequence;
 pub mod tree;
 pub mod verify;
 
@@ -37,6 +42,7 @@ use crate::sampling::Sampler;
 pub use acceptance::{walk, Flow, SamplerTarget, Target, Walk};
 pub use policy::{CostCurve, Policy};
 pub use proposer::{ModelProposer, NgramProposer, Proposer, SyntheticProposer, TableProposer};
+pub use sequence::Speculation;
 pub use tree::{Tree, TreeShape};
 pub use verify::HeadRows;
 
@@ -375,7 +381,7 @@ pub fn generate_plain<E: BatchEngine + ?Sized>(
 /// only when the policy speculates, and the shape the policy asks for (a one-level probe until
 /// a draft has been timed), its time recorded per level. `out_len`: tokens emitted so far (the
 /// policy settles each tree once the tokens after it are known).
-pub fn draft_round(
+fn draft_round(
     proposer: &mut dyn Proposer,
     policy: Option<&mut Policy>,
     history: &[u32],
@@ -422,46 +428,37 @@ pub fn generate<E: BatchEngine + ?Sized>(
     if prompt.is_empty() {
         return Err(SpecError::EmptyContext);
     }
-    let mut stats = SpecStats::default();
     let mut trace = Vec::new();
-    let mut out: Vec<u32> = Vec::new();
-    let mut history = prompt.to_vec();
-    if limits.max_tokens == 0 {
-        return Ok(SpecOutput {
-            tokens: out,
+    let mut seq = Speculation::new(Box::new(proposer), cfg.shape, prompt);
+    let done = |seq: Speculation<'_>, trace: Vec<Round>| {
+        let (tokens, stats, policy) = seq.finish();
+        SpecOutput {
+            tokens,
             stats,
             trace,
-            policy: None,
-        });
+            policy,
+        }
+    };
+    if limits.max_tokens == 0 {
+        return Ok(done(seq, trace));
     }
 
     let t0 = Instant::now();
     let logits = engine.forward(cache, &Batch::chain(SEQ, 0, prompt, false), None)?;
     engine.commit(cache);
-    stats.prefill_secs = t0.elapsed().as_secs_f64();
-    let first = sampler.sample(logits.last(), &history);
-    let flow = limits.after(&out, first);
+    seq.stats_mut().prefill_secs = t0.elapsed().as_secs_f64();
+    let first = sampler.sample(logits.last(), seq.history());
+    let flow = limits.after(seq.emitted(), first);
     if flow == Flow::StopBefore {
-        return Ok(SpecOutput {
-            tokens: out,
-            stats,
-            trace,
-            policy: None,
-        });
+        return Ok(done(seq, trace));
     }
-    out.push(first);
-    history.push(first);
+    seq.push_token(first);
     if flow == Flow::Stop {
-        return Ok(SpecOutput {
-            tokens: out,
-            stats,
-            trace,
-            policy: None,
-        });
+        return Ok(done(seq, trace));
     }
 
     let t_decode = Instant::now();
-    let mut policy = if cfg.adaptive && cfg.shape.budget > 0 {
+    if cfg.adaptive && cfg.shape.budget > 0 {
         let cost = match &cfg.cost {
             Some(c) => c.clone(),
             None => measure_cost(
@@ -473,44 +470,33 @@ pub fn generate<E: BatchEngine + ?Sized>(
                 CostMode::LayersThenHead,
             )?,
         };
-        let mut p = Policy::new(cfg.shape.budget, cost);
-        p.shadow = !proposer.is_costly();
-        p.max_depth = cfg.shape.max_depth;
-        Some(p)
-    } else {
-        None
-    };
+        seq.set_policy(Policy::new(cfg.shape.budget, cost));
+    }
     let head_rows = match cfg.head_rows {
         // Budget 0 never verifies a tree: nothing to measure.
         HeadRows::Auto if cfg.shape.budget == 0 => HeadRows::Visited,
         HeadRows::Auto => {
             let depth = cfg.shape.max_depth.min(cfg.shape.budget) + 1;
             let (plan, per_row) = choose_head_rows(engine, cache, first, depth)?;
-            if let Some(p) = policy.as_mut() {
+            if let Some(p) = seq.policy_mut() {
                 // The policy prices each emitted token at one head row of the chosen plan.
                 p.cost.head_row = per_row;
             }
             plan
         }
         plan => {
-            if let (Some(p), Some(r)) = (policy.as_mut(), cfg.head_per_row) {
+            if let (Some(p), Some(r)) = (seq.policy_mut(), cfg.head_per_row) {
                 p.cost.head_row = r;
             }
             plan
         }
     };
-    if let (Some(p), Some(f)) = (policy.as_mut(), proposer.self_draft_fraction()) {
-        p.self_draft(f);
-    }
     loop {
-        let (tree, draft_secs) =
-            draft_round(proposer, policy.as_mut(), &history, cfg.shape, out.len())?;
-        stats.draft_secs += draft_secs;
-
+        let tree = seq.draft()?;
         let tv = Instant::now();
         let mut verified = verify::verify(engine, cache, &tree, SEQ, head_rows)?;
         let mut visited = Vec::new();
-        let before = out.len();
+        let before = seq.emitted().len();
         let walk = {
             let mut row = |node: usize| -> Result<std::rc::Rc<Vec<f32>>, SpecError> {
                 let l = verified.logits(engine, node)?;
@@ -519,47 +505,22 @@ pub fn generate<E: BatchEngine + ?Sized>(
                 }
                 Ok(l)
             };
-            let mut emit = |token: u32| {
-                let f = limits.after(&out, token);
-                if f != Flow::StopBefore {
-                    out.push(token);
-                }
-                f
-            };
             let mut target = acceptance::SamplerTarget::new(&mut row, sampler);
-            acceptance::walk(&tree, &mut target, &mut history, &mut emit)?
+            seq.accept(&tree, &mut target, &mut |out, token| {
+                limits.after(out, token)
+            })?
         };
-        stats.head_passes += verified.head_passes;
-        stats.head_rows += verified.head_rows;
         let (layers_secs, head_secs, head_rows) =
             (verified.layers_secs, verified.head_secs, verified.head_rows);
+        let stats = seq.stats_mut();
+        stats.head_passes += verified.head_passes;
+        stats.head_rows += head_rows;
         drop(verified);
         kv::keep_path(engine, cache, &walk.path)?;
-        let verify_secs = tv.elapsed().as_secs_f64();
-        stats.verify_secs += verify_secs;
-        stats.rounds += 1;
-        stats.count_budget(tree.n_draft());
-        if !tree.is_empty() {
-            stats.spec_rounds += 1;
-            stats.spec_tokens += out.len() - before;
-            stats.drafted += tree.n_draft();
-            let d_tree = tree.max_depth() as usize;
-            let d_acc = walk.path.len() - 1;
-            if stats.depth_offered.len() < d_tree {
-                stats.depth_offered.resize(d_tree, 0);
-                stats.depth_accepted.resize(d_tree, 0);
-            }
-            for d in 0..d_tree {
-                stats.depth_offered[d] += 1;
-                if d < d_acc {
-                    stats.depth_accepted[d] += 1;
-                }
-            }
-        }
-        if let Some(p) = policy.as_mut() {
+        seq.stats_mut().verify_secs += tv.elapsed().as_secs_f64();
+        if let Some(p) = seq.policy_mut() {
             p.measured(tree.len(), layers_secs);
             p.measured_head(head_rows, head_secs);
-            p.observe(&out);
         }
         let stopped = walk.stopped;
         if cfg.trace {
@@ -574,11 +535,6 @@ pub fn generate<E: BatchEngine + ?Sized>(
             break;
         }
     }
-    stats.decode_secs = t_decode.elapsed().as_secs_f64();
-    Ok(SpecOutput {
-        tokens: out,
-        stats,
-        trace,
-        policy,
-    })
+    seq.stats_mut().decode_secs = t_decode.elapsed().as_secs_f64();
+    Ok(done(seq, trace))
 }

@@ -45,6 +45,26 @@ pub trait Proposer {
     }
 }
 
+/// A borrowed drafter drafts as the drafter does (for a [`super::Speculation`] over a drafter
+/// the caller keeps).
+impl<P: Proposer + ?Sized> Proposer for &mut P {
+    fn name(&self) -> String {
+        (**self).name()
+    }
+
+    fn propose(&mut self, context: &[u32], shape: TreeShape) -> Result<Tree, SpecError> {
+        (**self).propose(context, shape)
+    }
+
+    fn is_costly(&self) -> bool {
+        (**self).is_costly()
+    }
+
+    fn self_draft_fraction(&self) -> Option<f64> {
+        (**self).self_draft_fraction()
+    }
+}
+
 /// The best-first tree of a conditional drafter: `next(text)` gives the candidates after the
 /// whole text (context and the path so far).
 fn conditional_tree(

@@ -20,6 +20,7 @@
 //! `output_norm` rows a block of [`LOGIT_BLOCK`] rows at a time (`ReferenceModel::logits_of`),
 //! and per-row KL, top-1 and NLL are accumulated ([`LogitAccumulator`]).
 
+use std::collections::BTreeMap;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -32,13 +33,14 @@ use harness::coherence::{LogitAccumulator, LogitStats};
 use harness::compare::{ChunkedComparison, Comparison};
 use harness::gate::GateResult;
 use harness::report::{CaseResult, Figure};
-use harness::tap::Tap;
+use harness::tap::{Tap, TapKind};
 use harness::tolerance::{CaseContext, Numerics, TolerancePolicy};
-use reference::{Precision, ReferenceModel, Residency};
+use reference::{Precision, ReferenceModel, Residency, Routing};
 
 use super::common::TEXT;
 use super::gates::{logit_thresholds, tokens_gate};
 use super::isolate::Isolating;
+use super::routes::Flip;
 
 /// Chunk sizes of the chunked prefill, repeated until the text is used up (the last chunk is
 /// what is left). Odd, so no chunk is a multiple of the 4×4 micro-tile, of the 4 query heads a
@@ -104,6 +106,8 @@ pub struct PathReference {
     exact_model: ReferenceModel,
     f32_taps: Vec<Tap>,
     exact_taps: Vec<Tap>,
+    /// How each MoE layer chooses its experts (empty for a dense model).
+    routing: BTreeMap<usize, Routing>,
     seconds: f64,
 }
 
@@ -165,6 +169,7 @@ impl PathReference {
         let f32_taps = hidden_taps(&f32_model, "f32")?;
         let exact_model = open(Precision::Exact)?;
         let exact_taps = hidden_taps(&exact_model, "exact-numerics")?;
+        let routing = super::routes::routing_of(&exact_model, &exact_taps)?;
         Ok(PathReference {
             key: (path.to_owned(), tokens.len()),
             text_ids,
@@ -173,6 +178,7 @@ impl PathReference {
             exact_model,
             f32_taps,
             exact_taps,
+            routing,
             seconds: started.elapsed().as_secs_f64(),
         })
     }
@@ -202,34 +208,62 @@ fn take_logits(taps: &mut Vec<Tap>) -> Result<Tap> {
     Ok(taps.remove(i))
 }
 
-/// One engine forward call over `chunk`, the tokens at positions `rows`, its taps (all but the
-/// logits) compared with `reference`'s rows for those positions; with `isolate`, every layer
-/// runs on the reference's residual stream. Returns the call's logits tap.
-#[allow(clippy::too_many_arguments)]
+/// One forward call's share of the comparison.
+struct CallCheck<'a> {
+    rows: Range<usize>,
+    reference: &'a [Tap],
+    comparison: &'a mut ChunkedComparison,
+    ctx: &'a CaseContext,
+}
+
+/// One engine forward call over `chunk`, the tokens at positions `check.rows`, its taps (all
+/// but the logits) compared with the reference's rows for those positions. With `isolate`,
+/// every layer runs on the reference's residual stream, and the comparison is MoE route-aware
+/// (super::routes): where the engine's router chose other experts than the reference's inside
+/// the tie margin, that layer is compared with the reference following the engine's choice;
+/// every flip is added to `flips`. Returns the call's logits tap.
 fn call(
     session: &mut Session<'_, AnyEngine<'_>>,
     chunk: &[u32],
-    rows: &Range<usize>,
-    reference: &[Tap],
-    isolate: bool,
-    comparison: &mut ChunkedComparison,
+    check: CallCheck<'_>,
+    isolate: Option<(&PathReference, &mut Vec<Flip>)>,
     policy: &TolerancePolicy,
-    ctx: &CaseContext,
 ) -> Result<Tap> {
+    let rows = check.rows;
     // Without isolation the observer only records (it has nothing to hand back).
-    let mut obs = Isolating::rows(if isolate { reference } else { &[] }, rows.clone());
+    let mut obs = Isolating::rows(
+        if isolate.is_some() {
+            check.reference
+        } else {
+            &[]
+        },
+        rows.clone(),
+    );
     session
         .forward(chunk, Some(&mut obs))
         .with_context(|| format!("engine forward over positions {}..{}", rows.start, rows.end))?;
     let mut taps = obs.taps;
     let logits = take_logits(&mut taps)?;
-    comparison.push(
-        rows.clone(),
-        &taps,
-        &slice_rows(reference, rows),
-        policy,
-        ctx,
-    );
+    let mut reference = slice_rows(check.reference, &rows);
+    if let Some((r, all_flips)) = isolate {
+        let router_bound = policy.exact_tolerance(TapKind::Router, check.ctx).nmse_max;
+        let flips = super::routes::at_offset(
+            super::routes::flips(&r.routing, &taps, &reference, &|_| router_bound),
+            rows.start,
+        );
+        let per_layer = super::routes::forced_runs(&r.exact_model, &r.tokens, &flips)?;
+        if !per_layer.is_empty() {
+            let rows_of: BTreeMap<usize, Vec<Tap>> = per_layer
+                .into_iter()
+                .map(|(layer, t)| (layer, slice_rows(&t, &rows)))
+                .collect();
+            reference = super::routes::follow(&reference, &rows_of);
+        }
+        all_flips.extend(flips);
+    }
+    check
+        .comparison
+        .push(rows.clone(), &taps, &reference, policy, check.ctx);
     Ok(logits)
 }
 
@@ -249,7 +283,142 @@ struct Compared {
     stats: LogitStats,
     noise: LogitStats,
     calls: usize,
+    /// The expert-choice flips of the layer-isolated calls (positions of the whole text).
+    flips: Vec<Flip>,
+    /// End-to-end expert choices of the engine the f32 reference followed (near-ties).
+    followed: usize,
     seconds: f64,
+}
+
+/// The end-to-end side of a MoE model's path case, held until the whole path has run: a near-tie
+/// expert choice that went the other way in the engine than in the f32 reference (the router's
+/// sums run in another order on another path or device) changes every later tap of that token,
+/// so the f32 reference follows the engine's choice at each flip inside the margin of the
+/// router's end-to-end bound (super::routes::follow_end_to_end), which needs the engine's router
+/// taps of every position first. Fixture-sized: the engine's taps and logits of the whole path.
+#[derive(Default)]
+struct Held {
+    /// Each call's positions and its taps but the logits.
+    calls: Vec<(Range<usize>, Vec<Tap>)>,
+    /// The logits rows of every position, in order.
+    logits: Vec<f32>,
+    /// The judged blocks of positions, as the layer-isolated side closed them.
+    blocks: Vec<Range<usize>>,
+}
+
+impl Held {
+    /// Run one end-to-end call and keep its taps; its logits are returned for the pending rows.
+    fn record(
+        &mut self,
+        session: &mut Session<'_, AnyEngine<'_>>,
+        chunk: &[u32],
+        rows: &Range<usize>,
+    ) -> Result<Tap> {
+        let mut obs = Isolating::rows(&[], rows.clone());
+        session.forward(chunk, Some(&mut obs)).with_context(|| {
+            format!("engine forward over positions {}..{}", rows.start, rows.end)
+        })?;
+        let mut taps = obs.taps;
+        let logits = take_logits(&mut taps)?;
+        self.calls.push((rows.clone(), taps));
+        Ok(logits)
+    }
+
+    /// Compare the held calls with the f32 reference following the engine's near-tie expert
+    /// choices, block by block as the streamed comparison does; returns the flips followed.
+    fn judge(
+        self,
+        r: &PathReference,
+        full: &mut ChunkedComparison,
+        stats: &mut LogitAccumulator,
+        policy: &TolerancePolicy,
+        ctx: &CaseContext,
+        n_layers: usize,
+    ) -> Result<usize> {
+        let n_vocab = r.f32_model.vocab_size();
+        let routers: Vec<Tap> = r
+            .routing
+            .keys()
+            .map(|layer| {
+                let name = format!("blk.{layer}.router");
+                let mut data = Vec::new();
+                let mut width = 0;
+                for (_, taps) in &self.calls {
+                    if let Some(t) = taps.iter().find(|t| t.name == name) {
+                        width = t.shape.last().copied().unwrap_or(1);
+                        data.extend_from_slice(&t.data);
+                    }
+                }
+                Tap::new(name, vec![data.len() / width.max(1), width], data)
+            })
+            .collect();
+        let bound = |layer: usize| {
+            policy
+                .tolerance(TapKind::Router, Some(layer), n_layers, ctx)
+                .nmse_max
+        };
+        let (reference, followed) = match super::routes::follow_end_to_end(
+            &r.f32_model,
+            &r.tokens,
+            &r.routing,
+            &routers,
+            &r.f32_taps,
+            &bound,
+        )? {
+            Some(f) => f,
+            None => {
+                let normed = r
+                    .f32_taps
+                    .iter()
+                    .find(|t| t.name == "output_norm")
+                    .ok_or_else(|| anyhow!("the reference emitted no `output_norm` tap"))?;
+                let logits = r
+                    .f32_model
+                    .logits_of(&normed.data)
+                    .context("f32 reference head")?;
+                let mut taps = r.f32_taps.clone();
+                taps.push(Tap::new("logits", vec![r.tokens.len(), n_vocab], logits));
+                (taps, 0)
+            }
+        };
+        let (logits, hidden): (Vec<&Tap>, Vec<&Tap>) =
+            reference.iter().partition(|t| t.name == "logits");
+        let ref_logits = logits
+            .first()
+            .map(|t| t.data.as_slice())
+            .ok_or_else(|| anyhow!("the followed reference has no logits"))?;
+        let hidden: Vec<Tap> = hidden.into_iter().cloned().collect();
+        let mut calls = self.calls.into_iter().peekable();
+        for block in self.blocks {
+            while let Some((rows, taps)) = calls.next_if(|(rows, _)| rows.end <= block.end) {
+                full.push(
+                    rows.clone(),
+                    &taps,
+                    &slice_rows(&hidden, &rows),
+                    policy,
+                    ctx,
+                );
+            }
+            let mut start = block.start;
+            while start < block.end {
+                let rows = start..(start + LOGIT_BLOCK).min(block.end);
+                let span = rows.start * n_vocab..rows.end * n_vocab;
+                let (Some(eng), Some(refl)) = (self.logits.get(span.clone()), ref_logits.get(span))
+                else {
+                    bail!("logits rows {rows:?} are missing on one side");
+                };
+                let with_target = rows.start..rows.end.min(r.tokens.len() - 1);
+                let k = with_target.len() * n_vocab;
+                let targets = &r.tokens[with_target.start + 1..with_target.end + 1];
+                stats.push(&refl[..k], &eng[..k], targets)?;
+                let tap = |d: &[f32]| Tap::new("logits", vec![rows.len(), n_vocab], d.to_vec());
+                full.push(rows.clone(), &[tap(eng)], &[tap(refl)], policy, ctx);
+                start = rows.end;
+            }
+            full.close_block();
+        }
+        Ok(followed)
+    }
 }
 
 /// Feed `tokens` to the engine as `sizes` says, twice (layer-isolated against the exact
@@ -273,6 +442,8 @@ fn compare_paths(
     let mut iso_session = Session::new(engine, n + 1)?;
     let mut session = Session::new(engine, n + 1)?;
     let mut pending = Pending::default();
+    let mut flips = Vec::new();
+    let mut held = (!r.routing.is_empty()).then(Held::default);
     let mut start = 0;
     for (i, &size) in sizes.iter().enumerate() {
         let rows = start..start + size;
@@ -280,24 +451,33 @@ fn compare_paths(
         let iso_logits = call(
             &mut iso_session,
             chunk,
-            &rows,
-            &r.exact_taps,
-            true,
-            &mut isolated,
+            CallCheck {
+                rows: rows.clone(),
+                reference: &r.exact_taps,
+                comparison: &mut isolated,
+                ctx: &exact_ctx,
+            },
+            Some((r, &mut flips)),
             policy,
-            &exact_ctx,
         )
         .with_context(|| format!("call {i}, layer-isolated"))?;
-        let logits = call(
-            &mut session,
-            chunk,
-            &rows,
-            &r.f32_taps,
-            false,
-            &mut full,
-            policy,
-            ctx,
-        )
+        // End to end: compared as it comes, or, for a MoE model, held until the expert
+        // choices of the whole path are known (see `Held`).
+        let logits = match held.as_mut() {
+            None => call(
+                &mut session,
+                chunk,
+                CallCheck {
+                    rows: rows.clone(),
+                    reference: &r.f32_taps,
+                    comparison: &mut full,
+                    ctx,
+                },
+                None,
+                policy,
+            ),
+            Some(h) => h.record(&mut session, chunk, &rows),
+        }
         .with_context(|| format!("call {i}, end to end"))?;
 
         // Calls come in position order: the pending rows end where this call starts.
@@ -323,24 +503,29 @@ fn compare_paths(
                     ..Pending::default()
                 },
             );
-            compare_logits(
-                r,
-                p,
-                &mut isolated,
-                &mut full,
-                &mut stats,
-                &mut noise,
-                policy,
-                ctx,
-            )?;
+            let e2e = match held.as_mut() {
+                None => Some((&mut full, &mut stats)),
+                Some(h) => {
+                    h.blocks.push(p.start..p.end);
+                    h.logits.extend_from_slice(&p.plain);
+                    None
+                }
+            };
+            compare_logits(r, p, &mut isolated, e2e, &mut noise, policy, ctx)?;
         }
     }
+    let followed = match held {
+        Some(h) => h.judge(r, &mut full, &mut stats, policy, ctx, engine.n_layers())?,
+        None => 0,
+    };
     Ok(Compared {
         isolated,
         full,
         stats: stats.finish()?,
         noise: noise.finish()?,
         calls: sizes.len(),
+        flips,
+        followed,
         seconds: started.elapsed().as_secs_f64(),
     })
 }
@@ -354,8 +539,7 @@ fn compare_logits(
     r: &PathReference,
     p: Pending,
     isolated: &mut ChunkedComparison,
-    full: &mut ChunkedComparison,
-    stats: &mut LogitAccumulator,
+    mut e2e: Option<(&mut ChunkedComparison, &mut LogitAccumulator)>,
     noise: &mut LogitAccumulator,
     policy: &TolerancePolicy,
     ctx: &CaseContext,
@@ -391,7 +575,6 @@ fn compare_logits(
         let with_target = rows.start..rows.end.min(r.tokens.len() - 1);
         let k = with_target.len() * n_vocab;
         let targets = &r.tokens[with_target.start + 1..with_target.end + 1];
-        stats.push(&ref_f32[..k], &plain[..k], targets)?;
         noise.push(&ref_f32[..k], &ref_exact[..k], targets)?;
         let tap = |data: Vec<f32>| Tap::new("logits", vec![rows.len(), n_vocab], data);
         isolated.push(
@@ -401,12 +584,17 @@ fn compare_logits(
             policy,
             &exact_ctx,
         );
-        full.push(rows.clone(), &[tap(plain)], &[tap(ref_f32)], policy, ctx);
+        if let Some((full, stats)) = e2e.as_mut() {
+            stats.push(&ref_f32[..k], &plain[..k], targets)?;
+            full.push(rows.clone(), &[tap(plain)], &[tap(ref_f32)], policy, ctx);
+        }
         start = rows.end;
     }
     // The block's rows are complete on both sides: judge them.
     isolated.close_block();
-    full.close_block();
+    if let Some((full, _)) = e2e {
+        full.close_block();
+    }
     Ok(())
 }
 
@@ -441,6 +629,9 @@ pub fn run(
     let has_router = r.f32_taps.iter().any(|t| t.name.ends_with(".router"));
     let thresholds = logit_thresholds(&ctx, Some(&c.noise), has_router);
     let mut gates: Vec<GateResult> = vec![tokens_gate];
+    if !r.routing.is_empty() {
+        gates.push(super::routes::gate(&c.flips));
+    }
     gates.extend(c.stats.gates(&thresholds));
 
     let path_name = match case.spec {
@@ -473,6 +664,7 @@ pub fn run(
         Figure::new("noise_same_top1", c.noise.same_top1_rate, ""),
         Figure::new("max_nmse", max_nmse(&full), ""),
         Figure::new("isolated_max_nmse", max_nmse(&isolated), ""),
+        Figure::new("e2e_route_flips_followed", c.followed as f64, ""),
         Figure::new("reference_s", r.seconds, "s"),
         Figure::new("engine_s", c.seconds, "s"),
     ];

@@ -252,20 +252,7 @@ pub fn reference_run(
         })
         .context("exact-numerics reference forward pass")?;
     // The routing of every layer with a router tap (a streaming model reads those layers again).
-    let mut routing = BTreeMap::new();
-    for t in &exact_taps {
-        let layer = harness::tap::TapId::parse(&t.name)
-            .filter(|id| id.kind == harness::tap::TapKind::Router)
-            .and_then(|id| id.layer);
-        if let Some(layer) = layer {
-            if let Some(r) = exact
-                .routing(layer)
-                .with_context(|| format!("the reference's routing of layer {layer}"))?
-            {
-                routing.insert(layer, r);
-            }
-        }
-    }
+    let routing = super::routes::routing_of(&exact, &exact_taps)?;
     Ok(ReferenceRun {
         text_ids,
         tokens,

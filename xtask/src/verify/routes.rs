@@ -15,11 +15,12 @@
 //! score gap moves by at most `2 · 4 · √b · rms / 4 = 2√b·rms`: a flip whose reference score gap
 //! is within that is rounding; one past it is a router that is wrong.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
+use anyhow::{Context, Result};
 use harness::gate::GateResult;
-use harness::tap::Tap;
-use reference::{ForcedRoutes, Routing};
+use harness::tap::{Tap, TapId, TapKind};
+use reference::{ForcedRoutes, ReferenceModel, Routing};
 
 /// One token whose experts differ.
 #[derive(Debug, Clone, PartialEq)]
@@ -50,12 +51,13 @@ fn rows(t: &Tap) -> impl Iterator<Item = Vec<f64>> + '_ {
 }
 
 /// The flips of every MoE layer: `routing` by layer, the engine's and the reference's taps
-/// (layer-isolated, exact numerics), and the `router` tap's NMSE bound.
+/// (layer-isolated in exact numerics, or end to end), and the `router` tap's NMSE bound at a
+/// layer (flat in the layer-isolated comparison, growing with depth end to end).
 pub fn flips(
     routing: &BTreeMap<usize, Routing>,
     engine: &[Tap],
     reference: &[Tap],
-    router_nmse_max: f64,
+    router_nmse_max: &dyn Fn(usize) -> f64,
 ) -> Vec<Flip> {
     let find = |taps: &'_ [Tap], name: &str| taps.iter().find(|t| t.name == name).cloned();
     let mut out = Vec::new();
@@ -87,11 +89,113 @@ pub fn flips(
                 engine: ec.iter().map(|&x| (x, e_scores[x])).collect(),
                 reference: rc.iter().map(|&x| (x, r_scores[x])).collect(),
                 gap: low_ref - high_eng,
-                margin: 2.0 * router_nmse_max.sqrt() * rms,
+                margin: 2.0 * router_nmse_max(layer).sqrt() * rms,
             });
         }
     }
     out
+}
+
+/// The routing of every layer of `model` with a `router` tap in `taps`.
+pub fn routing_of(model: &ReferenceModel, taps: &[Tap]) -> Result<BTreeMap<usize, Routing>> {
+    let mut routing = BTreeMap::new();
+    for t in taps {
+        let layer = TapId::parse(&t.name)
+            .filter(|id| id.kind == TapKind::Router)
+            .and_then(|id| id.layer);
+        if let Some(layer) = layer {
+            if let Some(r) = model
+                .routing(layer)
+                .with_context(|| format!("the reference's routing of layer {layer}"))?
+            {
+                routing.insert(layer, r);
+            }
+        }
+    }
+    Ok(routing)
+}
+
+/// Shift the flips of a forward call over the positions starting at `start` to whole-sequence
+/// token numbers.
+pub fn at_offset(mut flips: Vec<Flip>, start: usize) -> Vec<Flip> {
+    for f in &mut flips {
+        f.token += start;
+    }
+    flips
+}
+
+/// The reference's taps over `tokens` following the engine's choice of each flip inside the
+/// margin, one forced run per flipped layer (layer-isolated: each run forces one layer, so
+/// every other layer sees the unforced reference's input), by layer. Empty when nothing is
+/// followed.
+pub fn forced_runs(
+    model: &ReferenceModel,
+    tokens: &[u32],
+    flips: &[Flip],
+) -> Result<BTreeMap<usize, Vec<Tap>>> {
+    let forced = forced(flips);
+    let layers: BTreeSet<usize> = forced.keys().map(|&(l, _)| l).collect();
+    let mut per_layer = BTreeMap::new();
+    for layer in layers {
+        let mine: ForcedRoutes = forced
+            .iter()
+            .filter(|((l, _), _)| *l == layer)
+            .map(|(k, v)| (*k, v.clone()))
+            .collect();
+        let mut taps = Vec::new();
+        model
+            .forward_hidden_routed(tokens, &mine, &mut |name, shape, data| {
+                taps.push(Tap::new(name, shape.to_vec(), data.to_vec()))
+            })
+            .with_context(|| {
+                format!("the reference following the engine's experts at layer {layer}")
+            })?;
+        per_layer.insert(layer, taps);
+    }
+    Ok(per_layer)
+}
+
+/// End to end, route-aware: the reference's taps over `tokens` (logits included) following
+/// the engine's choice at every flip inside the margin of `bound` (the `router` tap's end-to-end
+/// NMSE bound at a layer), with the number of flips followed; `None` when both sides chose the
+/// same experts everywhere. Unlike [`forced_runs`], one run forces every flip at once, since
+/// end to end a layer's input is what the layers before it chose; a forced layer changes the
+/// layers after it, so the flips are found again on the forced run until no new one appears
+/// (at most once per MoE layer).
+pub fn follow_end_to_end(
+    model: &ReferenceModel,
+    tokens: &[u32],
+    routing: &BTreeMap<usize, Routing>,
+    engine: &[Tap],
+    reference: &[Tap],
+    bound: &dyn Fn(usize) -> f64,
+) -> Result<Option<(Vec<Tap>, usize)>> {
+    let mut forced_all = ForcedRoutes::new();
+    let mut current: Option<Vec<Tap>> = None;
+    for _ in 0..=routing.len() {
+        let against = current.as_deref().unwrap_or(reference);
+        let new: ForcedRoutes = forced(&flips(routing, engine, against, bound))
+            .into_iter()
+            .filter(|(k, _)| !forced_all.contains_key(k))
+            .collect();
+        if new.is_empty() {
+            break;
+        }
+        forced_all.extend(new);
+        let mut taps = Vec::new();
+        let normed = model
+            .forward_hidden_routed(tokens, &forced_all, &mut |name, shape, data| {
+                taps.push(Tap::new(name, shape.to_vec(), data.to_vec()))
+            })
+            .context("the reference following the engine's experts end to end")?;
+        let logits = model
+            .logits_of(&normed)
+            .context("the head of the reference following the engine's experts")?;
+        let n_vocab = logits.len() / tokens.len().max(1);
+        taps.push(Tap::new("logits", vec![tokens.len(), n_vocab], logits));
+        current = Some(taps);
+    }
+    Ok(current.map(|taps| (taps, forced_all.len())))
 }
 
 /// The engine's choices of the flips inside the margin, for the reference to follow.
@@ -193,7 +297,7 @@ mod tests {
     fn check(engine: &[[f32; 4]], reference: &[[f32; 4]], bound: f64) -> Vec<Flip> {
         let mut r = BTreeMap::new();
         r.insert(1, routing());
-        flips(&r, &[router(engine)], &[router(reference)], bound)
+        flips(&r, &[router(engine)], &[router(reference)], &|_| bound)
     }
 
     #[test]

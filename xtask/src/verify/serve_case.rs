@@ -1,8 +1,15 @@
 //! The serving case (`…/serve`): start `plumbline serve` on loopback with the case's backend,
-//! wait for `/ready` (a real generation through the request path), then run the greedy coherence
-//! gate through HTTP: the reference's greedy prompt ids in, greedy ids out (vLLM's
-//! `return_tokens_as_token_ids`), compared with the reference's greedy continuation under the same
-//! near-tie rule as the offline cases.
+//! wait for `/ready` (a real generation through the request path), then send requests at once
+//! so that the server runs them in one ragged batch, each judged against the reference:
+//!
+//! - the greedy coherence gate through HTTP: the reference's greedy prompt ids in, greedy ids
+//!   out (vLLM's `return_tokens_as_token_ids`), compared with the reference's greedy
+//!   continuation under the same near-tie rule as the offline cases;
+//! - beside it, prefixes of the teacher-forced text of different lengths (two of the same length,
+//!   so two sequences sit at the same positions), each asking for one token, which must be the
+//!   reference's argmax at that position or a near-tie under the same rule (`concurrent` gate).
+//!   A cell of one sequence read by another, a row handed to the wrong request, or positions
+//!   shifted by a neighbour's prompt changes those tokens; one request alone never shows it.
 
 use std::time::{Duration, Instant};
 
@@ -21,6 +28,8 @@ use crate::serve_bench;
 /// Alternatives asked per token: enough to hold the reference's token at a near-tie (the tie
 /// rule needs its engine log-probability; a token outside the top 5 is no near-tie).
 const TOP: usize = 5;
+/// Text-prefix requests sent beside the greedy one.
+const PREFIXES: usize = 4;
 
 pub fn run(case: &Case, env: &CaseEnv<'_>, refs: &mut ReferenceCache) -> Result<CaseResult> {
     let name = case.name();
@@ -44,7 +53,7 @@ pub fn run(case: &Case, env: &CaseEnv<'_>, refs: &mut ReferenceCache) -> Result<
         "--threads".into(),
         env.threads.to_string(),
         "--max-batch".into(),
-        "2".into(),
+        (1 + PREFIXES).to_string(),
     ];
     let t_start = Instant::now();
     let (server, base) = serve_bench::start(&bin, env.path, &extra)?;
@@ -52,30 +61,33 @@ pub fn run(case: &Case, env: &CaseEnv<'_>, refs: &mut ReferenceCache) -> Result<
     let ready_s = t_start.elapsed().as_secs_f64();
 
     let n = budget.n_greedy;
-    let body = json!({
-        "prompt": reference.prompt,
-        "max_tokens": n,
-        "temperature": 0,
-        "ignore_eos": true,
-        "logprobs": TOP,
-        "return_tokens_as_token_ids": true,
+    let prefixes = prefix_lengths(reference.tokens.len());
+    // Every request at once: the scheduler admits them together, so their prompts prefill in
+    // shared batches and the greedy request decodes beside the others' prefills.
+    let (greedy, served) = std::thread::scope(|s| {
+        let greedy = s.spawn(|| complete(&base, &reference.prompt, n, n_vocab));
+        let others: Vec<_> = prefixes
+            .iter()
+            .map(|&k| {
+                let (base, prompt) = (&base, &reference.tokens[..k]);
+                s.spawn(move || complete(base, prompt, 1, n_vocab))
+            })
+            .collect();
+        let join = |h: std::thread::ScopedJoinHandle<'_, Result<(Vec<u32>, Vec<f32>)>>| {
+            h.join()
+                .unwrap_or_else(|_| Err(anyhow::anyhow!("a request thread panicked")))
+        };
+        let served: Vec<_> = others.into_iter().map(join).collect();
+        (join(greedy), served)
     });
-    let mut r = serve_bench::agent()
-        .post(format!("{base}/v1/completions"))
-        .header("content-type", "application/json")
-        .send(body.to_string())
-        .context("POST /v1/completions")?;
-    let status = r.status().as_u16();
-    let text = r
-        .body_mut()
-        .read_to_string()
-        .context("reading the answer")?;
     drop(server);
-    if status != 200 {
-        bail!("/v1/completions answered {status}: {text}");
-    }
-    let v: Value = serde_json::from_str(&text).context("the answer is not JSON")?;
-    let (ids, rows) = parse(&v["choices"][0]["logprobs"], n_vocab)?;
+    let (ids, rows) = greedy.context("the greedy request")?;
+    let served = served
+        .into_iter()
+        .zip(&prefixes)
+        .map(|(r, k)| r.with_context(|| format!("the request for the text's first {k} tokens")))
+        .collect::<Result<Vec<_>>>()?;
+    let concurrent = concurrent_gate(&prefixes, &served, reference.logits(), n_vocab);
 
     let gate = coherence::greedy_prefix_or_tie(
         &ids,
@@ -99,10 +111,104 @@ pub fn run(case: &Case, env: &CaseEnv<'_>, refs: &mut ReferenceCache) -> Result<
     Ok(CaseResult::judged(
         &name,
         None,
-        vec![ready_gate, gate],
+        vec![ready_gate, gate, concurrent],
         vec![Figure::new("ready_s", ready_s, "s")],
     )
     .with_duration(started.elapsed().as_secs_f64()))
+}
+
+/// Lengths of the text prefixes sent beside the greedy request, for a text of `n` tokens:
+/// different lengths, and one length twice.
+fn prefix_lengths(n: usize) -> Vec<usize> {
+    let at = |f: usize| (n * f / 4).clamp(2, n.max(2));
+    let v = vec![at(1), at(2), at(2), n.max(2) - 1];
+    debug_assert_eq!(v.len(), PREFIXES);
+    v
+}
+
+/// POST one greedy completion of `max_tokens` after `prompt` (token ids), with the top
+/// alternatives' log-probabilities: the ids and their rows ([`parse`]).
+fn complete(
+    base: &str,
+    prompt: &[u32],
+    max_tokens: usize,
+    n_vocab: usize,
+) -> Result<(Vec<u32>, Vec<f32>)> {
+    let body = json!({
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": true,
+        "logprobs": TOP,
+        "return_tokens_as_token_ids": true,
+    });
+    let mut r = serve_bench::agent()
+        .post(format!("{base}/v1/completions"))
+        .header("content-type", "application/json")
+        .send(body.to_string())
+        .context("POST /v1/completions")?;
+    let status = r.status().as_u16();
+    let text = r
+        .body_mut()
+        .read_to_string()
+        .context("reading the answer")?;
+    if status != 200 {
+        bail!("/v1/completions answered {status}: {text}");
+    }
+    let v: Value = serde_json::from_str(&text).context("the answer is not JSON")?;
+    parse(&v["choices"][0]["logprobs"], n_vocab)
+}
+
+/// The `concurrent` gate: each prefix request's token is the reference's argmax after that
+/// prefix (`logits`: the reference's teacher-forced rows) or a near-tie with it.
+fn concurrent_gate(
+    prefixes: &[usize],
+    served: &[(Vec<u32>, Vec<f32>)],
+    logits: &[f32],
+    n_vocab: usize,
+) -> GateResult {
+    let mut bad = 0;
+    let mut detail = Vec::new();
+    for (&k, (ids, rows)) in prefixes.iter().zip(served) {
+        let Some(row) = logits.get((k - 1) * n_vocab..k * n_vocab) else {
+            bad += 1;
+            detail.push(format!(
+                "{k} tokens: the reference has no logits row {}",
+                k - 1
+            ));
+            continue;
+        };
+        let want = super::common::argmax(row);
+        let g = coherence::greedy_prefix_or_tie(
+            ids,
+            &[want],
+            1,
+            &GreedyRows {
+                engine: rows,
+                golden: row,
+                n_vocab,
+            },
+            0.5,
+        );
+        if !g.passed {
+            bad += 1;
+        }
+        detail.push(format!(
+            "{k} tokens: served {:?}, reference {want} ({})",
+            ids.first(),
+            if g.passed { "ok" } else { g.detail.as_str() }
+        ));
+    }
+    GateResult::at_most(
+        "concurrent",
+        bad as f64,
+        0.0,
+        format!(
+            "{} text prefixes served beside the greedy request: {}",
+            prefixes.len(),
+            detail.join("; ")
+        ),
+    )
 }
 
 /// Token ids (`token_id:{id}`) and, per step, a logits row holding the top alternatives'
