@@ -26,16 +26,8 @@ CI=true NEXTEST_PROFILE=ci cargo xtask test
 log "kernels: every CUDA kernel compiled for sm_80 … sm_120, registers/spills/smem (~3 min on 2 cores)"
 cargo xtask kernels
 
-log "verify: the CPU matrix, fixtures and the real model"
+log "verify: the CPU matrix and the CUDA backend on the emulated device, fixtures and the real model"
 cargo xtask verify
-
-log "verify --cuda-emu: the CUDA backend and kernels on the emulated device (~6 min)"
-# The MoE fixtures' emulated cases are left out until the path cases and the end-to-end
-# comparison follow the engine's expert choice at near-ties (the router's f32 sums run in
-# another order on the CUDA path, so a near-tie expert flips; the teacher-forced layer-isolated
-# comparison already accepts such flips inside the tie margin, the path cases do not yet).
-cargo xtask verify --cuda-emu --only backend=cuda-emu --no-bench \
-  --exclude 'deepseek2/*' --exclude 'deepseek2-lite/*/decode' --exclude 'deepseek2-lite/*/chunked'
 
 log "verify --faults: every injected fault detected at the expected place"
 cargo xtask verify --faults

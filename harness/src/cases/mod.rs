@@ -416,12 +416,11 @@ impl Matrix {
         cases
     }
 
-    /// The CUDA backend on the emulated device (`cuda-emu`, `verify --cuda-emu`; not in
-    /// [`Matrix::enumerate`] while the CUDA backend's activation rounding differs from ggml's,
-    /// which the layer-isolated exact comparison fails on every model): every model and weight mix; the
-    /// chunked and decode paths of every fixture; tree speculation and TP 2 on the one device
-    /// for the extended fixtures. The real model runs its teacher-forced case only: its long
-    /// path and speculation cases would take the emulator most of an hour on two cores.
+    /// The CUDA backend on the emulated device (`cuda-emu`; verify adds these where no GPU is
+    /// present, or with `--cuda-emu`): every model and weight mix; the chunked and decode paths
+    /// of every fixture; tree speculation and TP 2 on the one device for the extended fixtures.
+    /// The real model runs its teacher-forced case only: its long path and speculation cases
+    /// would take the emulator most of an hour on two cores.
     pub fn emulated(models: &[ModelEntry]) -> Vec<Case> {
         let emu = Backend::CudaEmu;
         let mut cases = Vec::new();

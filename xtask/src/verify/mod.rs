@@ -58,10 +58,14 @@ pub struct Args {
     /// Skip the throughput measurements
     #[arg(long)]
     pub no_bench: bool,
-    /// Add the CUDA backend on the CUDA emulator (`cuda-emu` cases: every model and weight mix,
-    /// the fixtures' paths, speculation and TP 2 on the one device), building the emulator first
-    #[arg(long)]
+    /// Add the CUDA backend on the CUDA emulator even where a real GPU is present (`cuda-emu`
+    /// cases: every model and weight mix, the fixtures' paths, speculation and TP 2 on the one
+    /// device; the emulator is built first). Without a GPU they are in the matrix anyway
+    #[arg(long, conflicts_with = "no_cuda_emu")]
     pub cuda_emu: bool,
+    /// Leave the emulated CUDA cases out
+    #[arg(long)]
+    pub no_cuda_emu: bool,
     /// Threads for the engine (default: all cores)
     #[arg(long)]
     pub threads: Option<usize>,
@@ -129,7 +133,9 @@ pub fn verify(args: &Args) -> Result<Report> {
     let mut machine = machine_caps().with_models(&models.entries);
     let filter = Filter::new(&args.filter, &args.only, &args.exclude)?;
     let mut all = Matrix::enumerate(&models.entries, &machine);
-    if args.cuda_emu {
+    // The CUDA backend runs on the emulator where no GPU is there to run it (a GPU runs the
+    // real `cuda-smXX` cases through the same code instead).
+    if args.cuda_emu || (!args.no_cuda_emu && machine.cuda_archs.is_empty()) {
         all.extend(Matrix::emulated(&models.entries));
     }
     tp_case::extend(&mut all, &mut models, &mut machine);

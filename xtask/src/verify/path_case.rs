@@ -7,7 +7,8 @@
 //!   whole fixed text (665 tokens, at least [`LONG_MIN_TOKENS`]), past the 512-token sliding
 //!   window, with one chunk spanning position 512.
 //! - **decode**: a prefill of part of the text, then one decode step per token to the end,
-//!   past position 300 and (on the real model) across the sliding window.
+//!   past position 300 and (on the real model) across the sliding window; on the emulated
+//!   CUDA device, the last 43 tokens only ([`DECODE_PREFILL_EMULATED`]).
 //!
 //! The reference runs the whole sequence once, teacher-forced, without the output head
 //! (`ReferenceModel::forward_hidden`); each engine forward call is compared with the reference's
@@ -28,7 +29,7 @@ use std::time::Instant;
 use anyhow::{anyhow, bail, ensure, Context, Result};
 use engine::exec::{AnyEngine, BatchEngine, Session};
 use engine::tokenizer::Tokenizer;
-use harness::cases::{Case, Spec};
+use harness::cases::{Backend, Case, Spec};
 use harness::coherence::{LogitAccumulator, LogitStats};
 use harness::compare::{ChunkedComparison, Comparison};
 use harness::gate::GateResult;
@@ -59,13 +60,44 @@ pub const LONG_MIN_TOKENS: usize = 600;
 /// decode step's attention reads up to 664 cells).
 pub const DECODE_PREFILL_FIXTURE: usize = 37;
 pub const DECODE_PREFILL_REAL: usize = 461;
+/// On the emulated CUDA device a fixture's decode step costs the emulator seconds (every
+/// kernel of every layer, each thread a fiber), so its decode case prefills more and steps
+/// 43 times: still odd and past the panel (4 panels + 41), its steps still cross position 300
+/// and, on the gemma3 fixture, five windows of 8; each step reads up to 339 cells.
+pub const DECODE_PREFILL_EMULATED: usize = 297;
 /// Rows of reference logits computed per head pass (a pass over a 262144-row head costs about
 /// the same for 1 row as for 64, so decode steps are batched for it; 64 rows of 262144 are
 /// 64 MiB), and the fewest rows a judged block has (the end of the text aside).
 pub const LOGIT_BLOCK: usize = 64;
 
+/// How long the decode case prefills before its steps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DecodeFrom {
+    Fixture,
+    Real,
+    Emulated,
+}
+
+impl DecodeFrom {
+    pub fn of(real: bool, backend: Backend) -> DecodeFrom {
+        match (real, backend) {
+            (true, _) => DecodeFrom::Real,
+            (false, Backend::CudaEmu) => DecodeFrom::Emulated,
+            (false, _) => DecodeFrom::Fixture,
+        }
+    }
+
+    fn prefill(self) -> usize {
+        match self {
+            DecodeFrom::Fixture => DECODE_PREFILL_FIXTURE,
+            DecodeFrom::Real => DECODE_PREFILL_REAL,
+            DecodeFrom::Emulated => DECODE_PREFILL_EMULATED,
+        }
+    }
+}
+
 /// The chunk sizes of `spec` over `n` tokens.
-pub fn schedule(spec: Spec, n: usize, real: bool) -> Result<Vec<usize>> {
+pub fn schedule(spec: Spec, n: usize, from: DecodeFrom) -> Result<Vec<usize>> {
     let mut sizes = Vec::new();
     match spec {
         Spec::Chunked => {
@@ -79,11 +111,7 @@ pub fn schedule(spec: Spec, n: usize, real: bool) -> Result<Vec<usize>> {
             }
         }
         Spec::Decode => {
-            let p = if real {
-                DECODE_PREFILL_REAL
-            } else {
-                DECODE_PREFILL_FIXTURE
-            };
+            let p = from.prefill();
             ensure!(
                 n > p,
                 "decode: {n} tokens leave no decode step after a prefill of {p}"
@@ -623,7 +651,11 @@ pub fn run(
                 .with_duration(started.elapsed().as_secs_f64()),
         );
     }
-    let sizes = schedule(case.spec, r.tokens.len(), real)?;
+    let sizes = schedule(
+        case.spec,
+        r.tokens.len(),
+        DecodeFrom::of(real, case.backend),
+    )?;
     let c = compare_paths(engine, r, &sizes, policy, &ctx)?;
 
     let has_router = r.f32_taps.iter().any(|t| t.name.ends_with(".router"));
@@ -681,17 +713,22 @@ pub fn run(
 mod tests {
     use super::*;
 
-    fn check(spec: Spec, n: usize, real: bool, expect: &[usize]) {
-        let s = schedule(spec, n, real).unwrap_or_default();
+    fn check(spec: Spec, n: usize, from: DecodeFrom, expect: &[usize]) {
+        let s = schedule(spec, n, from).unwrap_or_default();
         assert_eq!(s.iter().sum::<usize>(), n, "{s:?}");
         assert_eq!(&s[..expect.len()], expect);
     }
 
     #[test]
     fn chunked_schedule_covers_the_text_in_odd_chunks() {
-        check(Spec::Chunked, 340, false, &[67, 5, 33, 97, 3, 131, 1, 3]);
+        check(
+            Spec::Chunked,
+            340,
+            DecodeFrom::Fixture,
+            &[67, 5, 33, 97, 3, 131, 1, 3],
+        );
         // The real model's 665 tokens: the chunk at 420..549 spans the window's end (512).
-        let s = schedule(Spec::Chunked, 665, true).unwrap_or_default();
+        let s = schedule(Spec::Chunked, 665, DecodeFrom::Real).unwrap_or_default();
         assert_eq!(s.iter().sum::<usize>(), 665);
         let mut at = 0;
         let mut spans_window = false;
@@ -705,14 +742,23 @@ mod tests {
 
     #[test]
     fn decode_schedule_is_a_prefill_then_single_steps() {
-        let s = schedule(Spec::Decode, 340, false).unwrap_or_default();
+        let s = schedule(Spec::Decode, 340, DecodeFrom::Fixture).unwrap_or_default();
         assert_eq!(s[0], DECODE_PREFILL_FIXTURE);
         assert_eq!(s.len(), 340 - DECODE_PREFILL_FIXTURE + 1);
         assert!(s[1..].iter().all(|&c| c == 1));
-        check(Spec::Decode, 665, true, &[DECODE_PREFILL_REAL, 1, 1]);
+        check(
+            Spec::Decode,
+            665,
+            DecodeFrom::Real,
+            &[DECODE_PREFILL_REAL, 1, 1],
+        );
+        // The emulated device's fixture decode: 43 steps, across position 300.
+        let s = schedule(Spec::Decode, 340, DecodeFrom::Emulated).unwrap_or_default();
+        assert_eq!(s.len(), 44);
+        assert!(DECODE_PREFILL_EMULATED < 300 && DECODE_PREFILL_EMULATED % 2 == 1);
         // Too short a text for any decode step, and a spec that is no path: errors.
-        assert!(schedule(Spec::Decode, DECODE_PREFILL_FIXTURE, false).is_err());
-        assert!(schedule(Spec::Off, 10, false).is_err());
+        assert!(schedule(Spec::Decode, DECODE_PREFILL_FIXTURE, DecodeFrom::Fixture).is_err());
+        assert!(schedule(Spec::Off, 10, DecodeFrom::Fixture).is_err());
     }
 
     #[test]
