@@ -15,10 +15,12 @@ pub enum HarnessError {
     UnknownBackend(String),
     #[error("unknown topology `{0}`: expected shm, pcie or nvlink")]
     UnknownTopology(String),
-    #[error("unknown speculation mode `{0}`: expected off or tree-bBkK (e.g. tree-b8k4)")]
+    #[error("unknown speculation mode `{0}`: expected off or tree-bBkK (e.g. tree-b8k4); chunked, decode and serve are paths (path=…)")]
     UnknownSpec(String),
+    #[error("unknown path `{0}` (expected prefill, chunked, decode or serve)")]
+    UnknownPath(String),
     #[error(
-        "malformed case name `{name}`: {why} (expected arch/weights/backend/tpN-topology/spec)"
+        "malformed case name `{name}`: {why} (expected arch/weights/backend/tpN-topology/spec, or …/path for a path other than prefill)"
     )]
     CaseName { name: String, why: String },
     #[error("malformed --only `{0}`: expected AXIS=VALUE with AXIS one of model, weights, backend, tp, topology, spec")]

@@ -101,7 +101,7 @@ impl FromStr for Topology {
     }
 }
 
-/// Speculative decoding mode, or another path the tokens take through the engine.
+/// Speculative decoding mode.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Spec {
     Off,
@@ -110,15 +110,47 @@ pub enum Spec {
         budget: u32,
         top_k: u32,
     },
-    /// No speculation; served by `plumbline serve` and judged through its HTTP API.
-    Serve,
-    /// No speculation; the text prefilled in chunks of odd sizes (none a multiple of a tile),
-    /// each chunk compared tap by tap with the reference's rows for its positions. On the real
-    /// model the whole text (past the sliding window) a few rows at a time.
+}
+
+/// The path the tokens take through the engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub enum PathMode {
+    /// One batched prefill of the text (teacher-forced), or speculation's rounds.
+    #[default]
+    Prefill,
+    /// The text prefilled in chunks of odd sizes (none a multiple of a tile), each chunk
+    /// compared tap by tap with the reference's rows for its positions. On the real model the
+    /// whole text (past the sliding window) a few rows at a time.
     Chunked,
-    /// No speculation; part of the text prefilled, then one decode step per token to the end,
-    /// each step compared tap by tap with the reference's row for its position.
+    /// Part of the text prefilled, then one decode step per token to the end, each step
+    /// compared tap by tap with the reference's row for its position.
     Decode,
+    /// Served by `plumbline serve` and judged through its HTTP API.
+    Serve,
+}
+
+impl fmt::Display for PathMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            PathMode::Prefill => "prefill",
+            PathMode::Chunked => "chunked",
+            PathMode::Decode => "decode",
+            PathMode::Serve => "serve",
+        })
+    }
+}
+
+impl FromStr for PathMode {
+    type Err = HarnessError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "prefill" => Ok(PathMode::Prefill),
+            "chunked" => Ok(PathMode::Chunked),
+            "decode" => Ok(PathMode::Decode),
+            "serve" => Ok(PathMode::Serve),
+            _ => Err(HarnessError::UnknownPath(s.to_owned())),
+        }
+    }
 }
 
 impl Spec {
@@ -139,9 +171,6 @@ impl fmt::Display for Spec {
         match self {
             Spec::Off => f.write_str("off"),
             Spec::Tree { budget, top_k } => write!(f, "tree-b{budget}k{top_k}"),
-            Spec::Serve => f.write_str("serve"),
-            Spec::Chunked => f.write_str("chunked"),
-            Spec::Decode => f.write_str("decode"),
         }
     }
 }
@@ -151,12 +180,6 @@ impl FromStr for Spec {
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         if s == "off" {
             return Ok(Spec::Off);
-        }
-        match s {
-            "serve" => return Ok(Spec::Serve),
-            "chunked" => return Ok(Spec::Chunked),
-            "decode" => return Ok(Spec::Decode),
-            _ => {}
         }
         let bad = || HarnessError::UnknownSpec(s.to_owned());
         let rest = s.strip_prefix("tree-b").ok_or_else(bad)?;
@@ -189,7 +212,7 @@ macro_rules! serde_as_string {
         }
     )*};
 }
-serde_as_string!(Backend, Topology, Spec);
+serde_as_string!(Backend, Topology, Spec, PathMode);
 
 #[cfg(test)]
 mod tests {
@@ -231,16 +254,17 @@ mod tests {
             assert_eq!(round_trip::<Topology>(s).as_deref(), Some(s));
         }
         assert!("nvl".parse::<Topology>().is_err());
-        for s in [
-            "off",
-            "tree-b8k4",
-            "tree-b16k2",
-            "serve",
-            "chunked",
-            "decode",
-        ] {
+        for s in ["off", "tree-b8k4", "tree-b16k2"] {
             assert_eq!(round_trip::<Spec>(s).as_deref(), Some(s));
         }
+        for s in ["prefill", "chunked", "decode", "serve"] {
+            assert_eq!(round_trip::<PathMode>(s).as_deref(), Some(s));
+            assert!(
+                s == "prefill" || s.parse::<Spec>().is_err(),
+                "{s} is a path"
+            );
+        }
+        assert!("Chunked".parse::<PathMode>().is_err());
         for s in [
             "on",
             "tree",

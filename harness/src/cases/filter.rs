@@ -21,6 +21,7 @@ pub enum Axis {
     Backend,
     Tp,
     Topology,
+    Path,
     Spec,
 }
 
@@ -34,6 +35,7 @@ impl FromStr for Axis {
             "tp" => Axis::Tp,
             "topology" => Axis::Topology,
             "spec" => Axis::Spec,
+            "path" => Axis::Path,
             _ => return Err(()),
         })
     }
@@ -49,6 +51,7 @@ impl Axis {
             Axis::Tp => case.tp.to_string(),
             Axis::Topology => case.topology.to_string(),
             Axis::Spec => case.spec.to_string(),
+            Axis::Path => case.path.to_string(),
         }
     }
 }

@@ -1,6 +1,8 @@
-//! The case matrix: every (model, weights, backend, TP × topology, speculation) combination
+//! The case matrix: every (model, weights, backend, TP × topology, path, speculation) combination
 //! `cargo xtask verify` knows, as serde values with stable names
-//! `model/weights/backend/tpN-topology/spec`, e.g. `gemma3-270m/q4_k_m/cpu-avx512/tp1-shm/off`.
+//! `model/weights/backend/tpN-topology/spec`, e.g. `gemma3-270m/q4_k_m/cpu-avx512/tp1-shm/off`;
+//! a case on another path than the batched prefill ends in its path instead
+//! (`…/tp1-shm/chunked`), or in `path+spec` when it also speculates.
 //!
 //! [`Matrix::enumerate`] keeps the matrix small: every model × weight type runs on the three CPU
 //! backends with TP 1 and no speculation; CUDA, tensor-parallel and speculative cases exist only for
@@ -18,7 +20,7 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
-pub use axes::{Backend, Spec, Topology, CUDA_ARCHS};
+pub use axes::{Backend, PathMode, Spec, Topology, CUDA_ARCHS};
 pub use filter::{Axis, Filter};
 pub use glob::glob_match;
 
@@ -38,6 +40,8 @@ pub struct Case {
     pub backend: Backend,
     pub tp: u32,
     pub topology: Topology,
+    #[serde(default)]
+    pub path: PathMode,
     pub spec: Spec,
 }
 
@@ -56,8 +60,15 @@ impl Case {
             backend,
             tp,
             topology,
+            path: PathMode::Prefill,
             spec,
         }
+    }
+
+    /// This case on `path`.
+    pub fn on_path(mut self, path: PathMode) -> Case {
+        self.path = path;
+        self
     }
 
     /// The stable name, `model/weights/backend/tpN-topology/spec`.
@@ -148,9 +159,14 @@ impl fmt::Display for Case {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "{}/{}/{}/tp{}-{}/{}",
-            self.model, self.weights, self.backend, self.tp, self.topology, self.spec
-        )
+            "{}/{}/{}/tp{}-{}/",
+            self.model, self.weights, self.backend, self.tp, self.topology
+        )?;
+        match (self.path, self.spec) {
+            (PathMode::Prefill, spec) => write!(f, "{spec}"),
+            (path, Spec::Off) => write!(f, "{path}"),
+            (path, spec) => write!(f, "{path}+{spec}"),
+        }
     }
 }
 
@@ -162,7 +178,7 @@ impl FromStr for Case {
             why: why.to_owned(),
         };
         let parts: Vec<&str> = name.split('/').collect();
-        let [model, weights, backend, tp_topo, spec] = parts[..] else {
+        let [model, weights, backend, tp_topo, last] = parts[..] else {
             return Err(bad(&format!(
                 "expected 5 parts separated by '/', found {}",
                 parts.len()
@@ -180,13 +196,25 @@ impl FromStr for Case {
             .ok()
             .filter(|&t| t >= 1 && tp.bytes().all(|b| b.is_ascii_digit()))
             .ok_or_else(|| bad(&format!("expected a TP degree of at least 1, found `{tp}`")))?;
+        // `spec` on the batched prefill, `path`, or `path+spec`.
+        let (path, spec) = match last.split_once('+') {
+            Some((path, spec)) => (path.parse()?, spec.parse()?),
+            None => match last.parse::<PathMode>() {
+                Ok(PathMode::Prefill) => {
+                    return Err(bad("the prefill path is named by its spec alone"))
+                }
+                Ok(path) => (path, Spec::Off),
+                Err(_) => (PathMode::Prefill, last.parse()?),
+            },
+        };
         Ok(Case {
             model: model.to_owned(),
             weights: weights.to_owned(),
             backend: backend.parse()?,
             tp,
             topology: topology.parse()?,
-            spec: spec.parse()?,
+            path,
+            spec,
         })
     }
 }
@@ -401,15 +429,19 @@ impl Matrix {
                 ));
             }
             // Serving: the greedy gate through `plumbline serve` (xtask verify/serve_case.rs).
-            cases.push(Case::new(&m.name, w0, cpu, 1, Topology::Shm, Spec::Serve));
+            cases.push(
+                Case::new(&m.name, w0, cpu, 1, Topology::Shm, Spec::Off).on_path(PathMode::Serve),
+            );
         }
         // The other paths through the engine (xtask verify/path_case.rs): chunked prefill with
         // odd chunk sizes, and decode step by step, for every model on its first weight type.
         let cpu = machine.best_cpu_backend();
         for m in models {
             if let Some(w0) = m.weights.first() {
-                for spec in [Spec::Chunked, Spec::Decode] {
-                    cases.push(Case::new(&m.name, w0, cpu, 1, Topology::Shm, spec));
+                for path in [PathMode::Chunked, PathMode::Decode] {
+                    cases.push(
+                        Case::new(&m.name, w0, cpu, 1, Topology::Shm, Spec::Off).on_path(path),
+                    );
                 }
             }
         }
@@ -431,8 +463,10 @@ impl Matrix {
         }
         for m in models.iter().filter(|m| m.source == ModelSource::Fixture) {
             if let Some(w0) = m.weights.first() {
-                for spec in [Spec::Chunked, Spec::Decode] {
-                    cases.push(Case::new(&m.name, w0, emu, 1, Topology::Shm, spec));
+                for path in [PathMode::Chunked, PathMode::Decode] {
+                    cases.push(
+                        Case::new(&m.name, w0, emu, 1, Topology::Shm, Spec::Off).on_path(path),
+                    );
                 }
             }
         }
@@ -699,16 +733,17 @@ mod tests {
             .filter(|c| c.backend != Backend::CudaEmu)
             .all(|c| !c.backend.is_cuda()
                 && c.tp == 1
-                && match c.spec {
-                    Spec::Off => true,
-                    Spec::Chunked | Spec::Decode => c.weights != "f16",
-                    _ => false,
+                && c.spec == Spec::Off
+                && match c.path {
+                    PathMode::Prefill => true,
+                    PathMode::Chunked | PathMode::Decode => c.weights != "f16",
+                    PathMode::Serve => false,
                 }));
         // The real model runs on the emulator teacher-forced only.
         assert!(cases
             .iter()
             .filter(|c| c.backend == Backend::CudaEmu && c.model == "gemma3-270m")
-            .all(|c| c.spec == Spec::Off && c.tp == 1));
+            .all(|c| c.spec == Spec::Off && c.path == PathMode::Prefill && c.tp == 1));
         // Every case can be named and parsed back.
         assert!(cases.iter().all(|c| case(&c.name()) == *c));
     }

@@ -15,7 +15,7 @@ use std::time::Instant;
 use anyhow::{ensure, Result};
 use engine::exec::{self, AnyEngine, Topology};
 use engine::tokenizer::Tokenizer;
-use harness::cases::{Case, Spec};
+use harness::cases::{Case, PathMode, Spec};
 use harness::report::CaseResult;
 use harness::throughput::Baseline;
 
@@ -85,7 +85,7 @@ struct TeacherForced;
 
 impl CaseKind for TeacherForced {
     fn runs(&self, case: &Case) -> bool {
-        case.spec == Spec::Off
+        case.spec == Spec::Off && case.path == PathMode::Prefill
     }
 
     fn run(
@@ -106,7 +106,7 @@ struct Paths {
 
 impl CaseKind for Paths {
     fn runs(&self, case: &Case) -> bool {
-        matches!(case.spec, Spec::Chunked | Spec::Decode)
+        matches!(case.path, PathMode::Chunked | PathMode::Decode)
     }
 
     fn run(&mut self, case: &Case, env: &CaseEnv<'_>, _: &mut ReferenceCache) -> Result<Outcome> {
@@ -134,7 +134,7 @@ struct Speculation;
 
 impl CaseKind for Speculation {
     fn runs(&self, case: &Case) -> bool {
-        matches!(case.spec, Spec::Tree { .. })
+        case.path == PathMode::Prefill && matches!(case.spec, Spec::Tree { .. })
     }
 
     fn run(&mut self, case: &Case, env: &CaseEnv<'_>, _: &mut ReferenceCache) -> Result<Outcome> {
@@ -162,7 +162,7 @@ struct Serving;
 
 impl CaseKind for Serving {
     fn runs(&self, case: &Case) -> bool {
-        case.spec == Spec::Serve
+        case.path == PathMode::Serve
     }
 
     fn run(

@@ -37,7 +37,7 @@ pub struct Args {
     /// Only cases whose name matches this glob (`*`, `?`); repeatable
     #[arg(long)]
     pub filter: Vec<String>,
-    /// Only cases with AXIS=VALUE (axes: model, weights, backend, tp, topology, spec); repeatable
+    /// Only cases with AXIS=VALUE (axes: model, weights, backend, tp, topology, path, spec); repeatable
     #[arg(long)]
     pub only: Vec<String>,
     /// Drop cases whose name matches this glob; repeatable

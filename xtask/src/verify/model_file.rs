@@ -353,6 +353,7 @@ mod tests {
             update_baselines: false,
             no_bench: true,
             cuda_emu: false,
+            no_cuda_emu: false,
             threads: Some(1),
             out: out.to_path_buf(),
             model: Some(model.to_path_buf()),

@@ -1,5 +1,5 @@
 //! The paths a token takes through the engine besides one batched prefill, compared tap by tap
-//! with the reference (`Spec::Chunked`, `Spec::Decode`):
+//! with the reference (`PathMode::Chunked`, `PathMode::Decode`):
 //!
 //! - **chunked**: the text prefilled in chunks of odd sizes ([`CHUNKS`]: none a multiple of 4 or
 //!   of the 64-token prefill panel, the first 67 = a full panel and a tail of 3), each chunk
@@ -29,7 +29,7 @@ use std::time::Instant;
 use anyhow::{anyhow, bail, ensure, Context, Result};
 use engine::exec::{AnyEngine, BatchEngine, Session};
 use engine::tokenizer::Tokenizer;
-use harness::cases::{Backend, Case, Spec};
+use harness::cases::{Backend, Case, PathMode};
 use harness::coherence::{LogitAccumulator, LogitStats};
 use harness::compare::{ChunkedComparison, Comparison};
 use harness::gate::GateResult;
@@ -97,10 +97,10 @@ impl DecodeFrom {
 }
 
 /// The chunk sizes of `spec` over `n` tokens.
-pub fn schedule(spec: Spec, n: usize, from: DecodeFrom) -> Result<Vec<usize>> {
+pub fn schedule(path: PathMode, n: usize, from: DecodeFrom) -> Result<Vec<usize>> {
     let mut sizes = Vec::new();
-    match spec {
-        Spec::Chunked => {
+    match path {
+        PathMode::Chunked => {
             let mut left = n;
             for &c in CHUNKS.iter().cycle() {
                 if left == 0 {
@@ -110,7 +110,7 @@ pub fn schedule(spec: Spec, n: usize, from: DecodeFrom) -> Result<Vec<usize>> {
                 left -= c.min(left);
             }
         }
-        Spec::Decode => {
+        PathMode::Decode => {
             let p = from.prefill();
             ensure!(
                 n > p,
@@ -626,7 +626,7 @@ fn compare_logits(
     Ok(())
 }
 
-/// Run a path case (`case.spec` chunked or decode) on a prepared engine.
+/// Run a path case (`case.path` chunked or decode) on a prepared engine.
 pub fn run(
     case: &Case,
     engine: &AnyEngine<'_>,
@@ -652,7 +652,7 @@ pub fn run(
         );
     }
     let sizes = schedule(
-        case.spec,
+        case.path,
         r.tokens.len(),
         DecodeFrom::of(real, case.backend),
     )?;
@@ -666,8 +666,8 @@ pub fn run(
     }
     gates.extend(c.stats.gates(&thresholds));
 
-    let path_name = match case.spec {
-        Spec::Decode => "decode",
+    let path_name = match case.path {
+        PathMode::Decode => "decode",
         _ => "chunked prefill",
     };
     // The finding is the layer-isolated, exact-numerics one (each layer's own error, flat
@@ -713,8 +713,8 @@ pub fn run(
 mod tests {
     use super::*;
 
-    fn check(spec: Spec, n: usize, from: DecodeFrom, expect: &[usize]) {
-        let s = schedule(spec, n, from).unwrap_or_default();
+    fn check(path: PathMode, n: usize, from: DecodeFrom, expect: &[usize]) {
+        let s = schedule(path, n, from).unwrap_or_default();
         assert_eq!(s.iter().sum::<usize>(), n, "{s:?}");
         assert_eq!(&s[..expect.len()], expect);
     }
@@ -722,13 +722,13 @@ mod tests {
     #[test]
     fn chunked_schedule_covers_the_text_in_odd_chunks() {
         check(
-            Spec::Chunked,
+            PathMode::Chunked,
             340,
             DecodeFrom::Fixture,
             &[67, 5, 33, 97, 3, 131, 1, 3],
         );
         // The real model's 665 tokens: the chunk at 420..549 spans the window's end (512).
-        let s = schedule(Spec::Chunked, 665, DecodeFrom::Real).unwrap_or_default();
+        let s = schedule(PathMode::Chunked, 665, DecodeFrom::Real).unwrap_or_default();
         assert_eq!(s.iter().sum::<usize>(), 665);
         let mut at = 0;
         let mut spans_window = false;
@@ -742,23 +742,28 @@ mod tests {
 
     #[test]
     fn decode_schedule_is_a_prefill_then_single_steps() {
-        let s = schedule(Spec::Decode, 340, DecodeFrom::Fixture).unwrap_or_default();
+        let s = schedule(PathMode::Decode, 340, DecodeFrom::Fixture).unwrap_or_default();
         assert_eq!(s[0], DECODE_PREFILL_FIXTURE);
         assert_eq!(s.len(), 340 - DECODE_PREFILL_FIXTURE + 1);
         assert!(s[1..].iter().all(|&c| c == 1));
         check(
-            Spec::Decode,
+            PathMode::Decode,
             665,
             DecodeFrom::Real,
             &[DECODE_PREFILL_REAL, 1, 1],
         );
         // The emulated device's fixture decode: 43 steps, across position 300.
-        let s = schedule(Spec::Decode, 340, DecodeFrom::Emulated).unwrap_or_default();
+        let s = schedule(PathMode::Decode, 340, DecodeFrom::Emulated).unwrap_or_default();
         assert_eq!(s.len(), 44);
         assert!(DECODE_PREFILL_EMULATED < 300 && DECODE_PREFILL_EMULATED % 2 == 1);
         // Too short a text for any decode step, and a spec that is no path: errors.
-        assert!(schedule(Spec::Decode, DECODE_PREFILL_FIXTURE, DecodeFrom::Fixture).is_err());
-        assert!(schedule(Spec::Off, 10, DecodeFrom::Fixture).is_err());
+        assert!(schedule(
+            PathMode::Decode,
+            DECODE_PREFILL_FIXTURE,
+            DecodeFrom::Fixture
+        )
+        .is_err());
+        assert!(schedule(PathMode::Prefill, 10, DecodeFrom::Fixture).is_err());
     }
 
     #[test]
