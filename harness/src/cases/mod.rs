@@ -572,8 +572,21 @@ mod tests {
             .unwrap_or_default();
         assert_eq!(
             json,
-            r#"{"model":"llama","weights":"q8_0","backend":"cuda-sm86","tp":4,"topology":"nvlink","spec":"tree-b8k4"}"#
+            r#"{"model":"llama","weights":"q8_0","backend":"cuda-sm86","tp":4,"topology":"nvlink","path":"prefill","spec":"tree-b8k4"}"#
         );
+        // The path axis apart from the speculation axis; a report without it reads as prefill.
+        let c = case("gemma3/q4_k_m/cpu-avx2/tp1-shm/decode");
+        assert_eq!((c.path, c.spec), (PathMode::Decode, Spec::Off));
+        assert_eq!(
+            case("llama/q8_0/cpu-avx2/tp1-shm/serve+tree-b8k4").spec,
+            Spec::TREE_B8K4
+        );
+        let old: Case = serde_json::from_str(
+            r#"{"model":"llama","weights":"q8_0","backend":"cpu-avx2","tp":1,"topology":"shm","spec":"off"}"#,
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(old.path, PathMode::Prefill);
+        assert!("llama/q8_0/cpu-avx2/tp1-shm/prefill".parse::<Case>().is_err());
     }
 
     fn reason(name: &str, m: &MachineCaps) -> Option<String> {
