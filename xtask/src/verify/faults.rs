@@ -9,6 +9,11 @@
 //! - A clean control run (no fault, the same cases, the same fault build) goes first; the suite
 //!   fails if the control fails, since a fault "caught" by a case that fails anyway proves nothing.
 //! - `--fault NAME` picks faults; an unknown name is an error that lists the known ones.
+//! - CUDA faults planted in the kernel sources (`Fault::cuda_define`) reach the device code
+//!   through the fault build only: the engine defines the fault's symbol in the programs NVRTC
+//!   compiles (another source hash, so another cubin cache entry than the clean kernels') and
+//!   `cargo xtask cuda-emu` builds an emulator with it in `target/faults/cuda-emu/<fault>`; the
+//!   clean `target/cuda-emu` and the clean cubins are never built with a fault.
 //! - The table is keyed by [`Fault`]; every fault of [`Fault::ALL`] must have exactly one
 //!   expectation (checked before anything runs, and by a unit test).
 //!
@@ -201,6 +206,34 @@ const FAULTS: &[Expectation] = &[
         case: "deepseek2/q4_k/*/tp2-shm/off",
         expect: "blk.0.q",
     },
+    // CUDA-only faults, caught by the emulated CUDA backend (cuda-emu cases: the fault build
+    // runs them with --cuda-emu; the CPU cases of the same fixtures would pass). llama-q4_k_m's
+    // q and k are Q4_K, attn_v of layer 0 its first Q6_K matrix: the second half of each
+    // super-block of v gets wrong high bits (a 32-token prefill: the GEMM path).
+    Expectation {
+        fault: Fault::CudaQ6KHighBitsHalf,
+        case: "llama/q4_k_m/cuda-emu/tp1-shm/off",
+        expect: "blk.0.v",
+    },
+    // q, k and v are right; every query also sees the next token's cell.
+    Expectation {
+        fault: Fault::CudaCausalMaskOffByOne,
+        case: "llama/q8_0/cuda-emu/tp1-shm/off",
+        expect: "blk.0.attn",
+    },
+    // The 32-token prefill multiplies through the GEMM (≥ 16 tokens, F16 weights); attn_q is
+    // its first product.
+    Expectation {
+        fault: Fault::CudaGemmMissingBarrier,
+        case: "llama/f16/cuda-emu/tp1-shm/off",
+        expect: "blk.0.q",
+    },
+    // RoPE turns the right projections into wrong q (the first rotated tap).
+    Expectation {
+        fault: Fault::CudaRopeArgsSwapped,
+        case: "llama/q8_0/cuda-emu/tp1-shm/off",
+        expect: "blk.0.q",
+    },
 ];
 
 struct Outcome {
@@ -307,6 +340,10 @@ fn run_one(exe: &PathBuf, args: &Args, case: &str, fault: Option<Fault>) -> Resu
     ])
     .arg("--out")
     .arg(&out_dir);
+    if case.contains("cuda-emu") {
+        // The emulated CUDA cases are only in the matrix with --cuda-emu.
+        cmd.arg("--cuda-emu");
+    }
     match fault {
         Some(f) => cmd.env(engine::faults::ENV_VAR, f.name()),
         None => cmd.env_remove(engine::faults::ENV_VAR),
