@@ -242,7 +242,7 @@ pub(crate) fn matmul_every_weight_type_and_shape<B: Backend>(g: &B) {
                 let mut oc = vec![0f32; n_tok * n_rows];
                 ok(c.matmul(&wc, &x, n_tok, &mut oc), "cpu matmul");
                 let what = format_args!("{ty:?} {n_rows}×{k}, {n_tok} tokens");
-                check(&what, &down(g, &og), &oc, bound::MATMUL);
+                check(what, &down(g, &og), &oc, bound::MATMUL);
                 if (n_rows, k, n_tok) == (37, 256, 3) {
                     // The bound sees the smallest bug it is for.
                     let mut wf = vec![0f32; n_rows * k];
