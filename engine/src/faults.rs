@@ -95,10 +95,31 @@ pub enum Fault {
     /// `attn_q_b` (or MLA `attn_q`) rows of rank r+1 (`tp/plan.rs`; first seen at `blk.0.q` of a
     /// deepseek2 TP case, gathered from the ranks).
     TpMlaShardOrder,
+    /// CUDA only (kernels/cuda/quant.cuh, `deq_q6_k`): the second 128-value half of every Q6_K
+    /// super-block reads its high bits from the first half's `qh` bytes, as an unpacker that
+    /// forgot the half's offset would. The CPU path is right; every device path that
+    /// dequantizes Q6_K (matrix-vector, prefill GEMM, embedding) is wrong. First seen at
+    /// `blk.0.v` of llama-q4_k_m on the CUDA backend (attn_v of layer 0 is its first Q6_K
+    /// matrix; q and k are Q4_K).
+    CudaQ6KHighBitsHalf,
+    /// CUDA only (kernels/cuda/attention.cu, `visible`): the causal test compares a cell with
+    /// the query's position plus one, so every query also sees the next token's cell. First seen
+    /// at `blk.0.attn` of a prefill on the CUDA backend.
+    CudaCausalMaskOffByOne,
+    /// CUDA only (kernels/cuda/dequant.cu, `gemm_f16_f32`): the barrier between storing a tile
+    /// in shared memory and reading it is missing, so a thread reads entries other threads have
+    /// not stored yet (the emulator runs a block's threads in turn, so the reads are stale for
+    /// sure; a GPU would race). Only the prefill GEMM (≥ 16 tokens, F16 and quantized weights):
+    /// first seen at `blk.0.q` of a 32-token prefill on the CUDA backend.
+    CudaGemmMissingBarrier,
+    /// CUDA only (engine/src/runtime/cuda/backend.rs, the `rope` launch): `freq_base` and
+    /// `freq_scale` passed in each other's place (both f32, so the launch's argument check
+    /// cannot see it). First seen at `blk.0.q` on the CUDA backend.
+    CudaRopeArgsSwapped,
 }
 
 impl Fault {
-    pub const ALL: [Fault; 24] = [
+    pub const ALL: [Fault; 28] = [
         Fault::RopePositionOffByOne,
         Fault::SkipResidualAdd,
         Fault::SlidingWindowOffByOne,
@@ -123,6 +144,10 @@ impl Fault {
         Fault::DecodeLateKvOffByOne,
         Fault::MoeWeightsSwapped,
         Fault::TpMlaShardOrder,
+        Fault::CudaQ6KHighBitsHalf,
+        Fault::CudaCausalMaskOffByOne,
+        Fault::CudaGemmMissingBarrier,
+        Fault::CudaRopeArgsSwapped,
     ];
 
     pub fn name(self) -> &'static str {
@@ -151,6 +176,24 @@ impl Fault {
             Fault::DecodeLateKvOffByOne => "decode-late-kv-off-by-one",
             Fault::MoeWeightsSwapped => "moe-weights-swapped",
             Fault::TpMlaShardOrder => "tp-mla-shard-order",
+            Fault::CudaQ6KHighBitsHalf => "cuda-q6_k-high-bits-half",
+            Fault::CudaCausalMaskOffByOne => "cuda-causal-mask-off-by-one",
+            Fault::CudaGemmMissingBarrier => "cuda-gemm-missing-barrier",
+            Fault::CudaRopeArgsSwapped => "cuda-rope-args-swapped",
+        }
+    }
+
+    /// The preprocessor symbol that plants this fault in the CUDA kernel sources
+    /// (`kernels/cuda/*.cu`), for faults that live there: the engine defines it in the program
+    /// NVRTC compiles (engine/src/runtime/cuda/sources.rs: a distinct source, so a distinct
+    /// cubin cache entry) and `cargo xtask cuda-emu` builds an emulator with it defined, in a
+    /// folder of its own (`target/faults/cuda-emu/<fault>`), for the fault build only.
+    pub fn cuda_define(self) -> Option<&'static str> {
+        match self {
+            Fault::CudaQ6KHighBitsHalf => Some("PLUMBLINE_FAULT_CUDA_Q6K_HIGH_BITS_HALF"),
+            Fault::CudaCausalMaskOffByOne => Some("PLUMBLINE_FAULT_CUDA_CAUSAL_MASK_OFF_BY_ONE"),
+            Fault::CudaGemmMissingBarrier => Some("PLUMBLINE_FAULT_CUDA_GEMM_MISSING_BARRIER"),
+            _ => None,
         }
     }
 
@@ -239,6 +282,14 @@ pub fn install(fault: Option<Fault>) -> Result<(), FaultError> {
     imp::install(fault)
 }
 
+/// The active fault, if it is planted in the CUDA kernel sources ([`Fault::cuda_define`]).
+/// `None` without the `fault-injection` feature.
+pub fn active_cuda_source_fault() -> Option<Fault> {
+    Fault::ALL
+        .into_iter()
+        .find(|&f| f.cuda_define().is_some() && is_active(f))
+}
+
 /// Whether `fault` is the active one. A constant `false` without the `fault-injection` feature.
 #[inline(always)]
 pub fn is_active(fault: Fault) -> bool {
@@ -248,6 +299,26 @@ pub fn is_active(fault: Fault) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn cuda_source_faults_have_distinct_defines() {
+        let defs: Vec<&str> = Fault::ALL.iter().filter_map(|f| f.cuda_define()).collect();
+        let mut sorted = defs.clone();
+        sorted.sort_unstable();
+        sorted.dedup();
+        assert_eq!(sorted.len(), defs.len(), "{defs:?}");
+        // Each is used by a kernel source (or the fault would plant nothing).
+        let sources = [
+            include_str!("../../kernels/cuda/quant.cuh"),
+            include_str!("../../kernels/cuda/attention.cu"),
+            include_str!("../../kernels/cuda/dequant.cu"),
+        ]
+        .concat();
+        for d in defs {
+            assert!(sources.contains(d), "{d} appears in no kernel source");
+        }
+        assert_eq!(active_cuda_source_fault(), None);
+    }
 
     #[test]
     fn names_round_trip() {

@@ -44,37 +44,47 @@ FOR_EACH_TYPE(DEQ_KERNELS)
 
 // Prefill product on dequantized weights: out[t, r] = Σ_k W[r, k] · x[t, k], W f16 [n_rows,
 // k_dim], x f32 [n_tok, k_dim], f32 accumulation. 32×32 output tiles, blockDim (32, 8), each
-// thread four outputs; k in steps of 32 through shared memory. Twin: kernels::cpu::CpuKernels::
-// matmul on F16 weights (which rounds the activations to f16 too; here they stay f32).
+// thread four outputs; k in steps of 32 through shared memory. Grid x covers the row tiles, grid
+// y (at most 65535) strides over the token tiles, so any token count fits. Twin:
+// kernels::cpu::CpuKernels::matmul on F16 weights (which rounds the activations to f16 too;
+// here they are rounded on the device first, round_act).
 #define GT 32
 extern "C" __global__ void gemm_f16_f32(const u16* __restrict__ w, const float* __restrict__ x,
                                         float* __restrict__ out, u32 n_rows, u32 k_dim,
                                         u32 n_tok) {
     __shared__ float ws[GT][GT + 1];
     __shared__ float xs[GT][GT + 1];
-    u32 r0 = blockIdx.x * GT, t0 = blockIdx.y * GT;
+    u32 r0 = blockIdx.x * GT;
     int tx = threadIdx.x, ty = threadIdx.y;
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (u32 k0 = 0; k0 < k_dim; k0 += GT) {
-        for (int i = ty; i < GT; i += 8) {
-            u32 r = r0 + i, t = t0 + i, k = k0 + tx;
-            ws[i][tx] = (r < n_rows && k < k_dim) ? f16_to_f32(w[(u64)r * k_dim + k]) : 0.0f;
-            xs[i][tx] = (t < n_tok && k < k_dim) ? x[(u64)t * k_dim + k] : 0.0f;
-        }
-        __syncthreads();
+    for (u64 t0 = (u64)blockIdx.y * GT; t0 < n_tok; t0 += (u64)gridDim.y * GT) {
+        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (u32 k0 = 0; k0 < k_dim; k0 += GT) {
+            for (int i = ty; i < GT; i += 8) {
+                u64 r = r0 + i, t = t0 + i;
+                u32 k = k0 + tx;
+                ws[i][tx] = (r < n_rows && k < k_dim) ? f16_to_f32(w[r * k_dim + k]) : 0.0f;
+                xs[i][tx] = (t < n_tok && k < k_dim) ? x[t * k_dim + k] : 0.0f;
+            }
+#ifndef PLUMBLINE_FAULT_CUDA_GEMM_MISSING_BARRIER
+            __syncthreads();  // the whole tile is loaded before any thread reads it
+#endif
+            // Fault (engine/src/faults.rs): without the barrier above, a thread reads tile
+            // entries other threads have not stored yet (the previous tile's, or stale ones).
 #pragma unroll 8
-        for (int k = 0; k < GT; k++) {
-            float wv = ws[tx][k];
+            for (int k = 0; k < GT; k++) {
+                float wv = ws[tx][k];
 #pragma unroll
-            for (int j = 0; j < 4; j++) acc[j] += wv * xs[ty + 8 * j][k];
+                for (int j = 0; j < 4; j++) acc[j] += wv * xs[ty + 8 * j][k];
+            }
+            __syncthreads();  // every thread is done with the tile before the next is loaded
         }
-        __syncthreads();
-    }
-    u32 r = r0 + tx;
-    if (r >= n_rows) return;
+        u32 r = r0 + tx;
+        if (r < n_rows) {
 #pragma unroll
-    for (int j = 0; j < 4; j++) {
-        u32 t = t0 + ty + 8 * j;
-        if (t < n_tok) out[(u64)t * n_rows + r] = acc[j];
+            for (int j = 0; j < 4; j++) {
+                u64 t = t0 + ty + 8 * j;
+                if (t < n_tok) out[t * n_rows + r] = acc[j];
+            }
+        }
     }
 }

@@ -17,7 +17,13 @@
 
 #define MMV_ROWS 4
 
-template <void (*DEQ)(const u8*, int, float*), bool FLOAT_ACT>
+// Q4_1 and Q5_1 (blocks of MIN_BLOCK bytes with the min `m` at byte 2): ggml's dot with q8_1
+// activations is d_w·d_x·Σ q_w·q_x + m_w·s_x, with s_x = f16(d_x·Σ q_x) stored in the block
+// (CPU twin: vec_dot_q4_1_q8_1). The dequantized product here gives m_w·d_x·Σ q_x instead; the
+// difference m_w·(s_x − d_x·Σ q_x) is added so that both backends compute the same value
+// (without it they differ by the f16 rounding of s_x: NMSE ~1e-6, as large as a wrong scale in
+// one block of a long row).
+template <void (*DEQ)(const u8*, int, float*), bool FLOAT_ACT, int MIN_BLOCK>
 __device__ __forceinline__ void mmv_impl(const u8* __restrict__ w, u64 row_bytes, u64 mat_bytes,
                                          u32 n_mats, const void* __restrict__ x, u32 k_dim,
                                          u32 n_rows, u32 n_out, const u32* __restrict__ ids,
@@ -50,9 +56,18 @@ __device__ __forceinline__ void mmv_impl(const u8* __restrict__ w, u64 row_bytes
             } else {
                 const block_q8_1* xb = (const block_q8_1*)x + (u64)xrow * n_chunks + c;
                 float s = 0.0f;
+                int sq = 0;
 #pragma unroll
-                for (int i = 0; i < 32; i++) s += y[i] * (float)xb->qs[i];
-                acc += s * f16_to_f32(xb->d);
+                for (int i = 0; i < 32; i++) {
+                    s += y[i] * (float)xb->qs[i];
+                    sq += xb->qs[i];
+                }
+                float dx = f16_to_f32(xb->d);
+                acc += s * dx;
+                if (MIN_BLOCK) {
+                    float m = ld_f16(row + (u64)MIN_BLOCK * c + 2);
+                    acc += m * (f16_to_f32(xb->s) - dx * (float)sq);
+                }
             }
         }
         acc = warp_sum(acc);
@@ -79,13 +94,33 @@ __device__ __forceinline__ void mmv_impl(const u8* __restrict__ w, u64 row_bytes
 #define IS_FLOAT_iq4_xs false
 #define IS_FLOAT_mxfp4 false
 
+#define MIN_BLOCK_f32 0
+#define MIN_BLOCK_f16 0
+#define MIN_BLOCK_bf16 0
+#define MIN_BLOCK_q4_0 0
+#define MIN_BLOCK_q4_1 20
+#define MIN_BLOCK_q5_0 0
+#define MIN_BLOCK_q5_1 24
+#define MIN_BLOCK_q8_0 0
+#define MIN_BLOCK_q8_1 0
+#define MIN_BLOCK_q2_k 0
+#define MIN_BLOCK_q3_k 0
+#define MIN_BLOCK_q4_k 0
+#define MIN_BLOCK_q5_k 0
+#define MIN_BLOCK_q6_k 0
+#define MIN_BLOCK_q8_k 0
+#define MIN_BLOCK_iq4_nl 0
+#define MIN_BLOCK_iq4_xs 0
+#define MIN_BLOCK_mxfp4 0
+
 #define MMV_KERNEL(T, ID)                                                                        \
     extern "C" __global__ void mmv_##T(const u8* __restrict__ w, u64 row_bytes, u64 mat_bytes,   \
                                        u32 n_mats, const void* __restrict__ x, u32 k_dim,        \
                                        u32 n_rows, u32 n_out, const u32* __restrict__ ids,       \
                                        u32 k_slots, u32 x_per_slot, float* __restrict__ out) {   \
-        mmv_impl<deq_##T, IS_FLOAT_##T>(w, row_bytes, mat_bytes, n_mats, x, k_dim, n_rows,       \
-                                        n_out, ids, k_slots, x_per_slot, out);                   \
+        mmv_impl<deq_##T, IS_FLOAT_##T, MIN_BLOCK_##T>(w, row_bytes, mat_bytes, n_mats, x,       \
+                                                       k_dim, n_rows, n_out, ids, k_slots,       \
+                                                       x_per_slot, out);                         \
     }
 
 FOR_EACH_TYPE(MMV_KERNEL)
@@ -98,8 +133,8 @@ FOR_EACH_TYPE(MMV_KERNEL)
                                         u32 n_mats, const float* __restrict__ x, u32 k_dim,      \
                                         u32 n_rows, u32 n_out, const u32* __restrict__ ids,      \
                                         u32 k_slots, u32 x_per_slot, float* __restrict__ out) {  \
-        mmv_impl<deq_##T, true>(w, row_bytes, mat_bytes, n_mats, x, k_dim, n_rows, n_out, ids,   \
-                                k_slots, x_per_slot, out);                                       \
+        mmv_impl<deq_##T, true, 0>(w, row_bytes, mat_bytes, n_mats, x, k_dim, n_rows, n_out,    \
+                                   ids, k_slots, x_per_slot, out);                               \
     }
 
 FOR_EACH_TYPE(MMVF_KERNEL)

@@ -26,30 +26,34 @@ extern "C" __global__ void rms_norm(const float* x, const float* __restrict__ we
 // rope_yarn). The CPU steps θ by repeated multiplication by theta_scale; here θ = pos ·
 // theta_scale^i with powf, so the two angles differ by a few ulp.
 //
-// grid (n_heads, n_tok), one thread per pair.
+// One block per (token, head) pair p = t·n_heads + h, the blocks striding over the pairs (grid x
+// only, so any token count fits), one thread per rotated pair of dimensions.
 extern "C" __global__ void rope(float* __restrict__ x, const u32* __restrict__ positions,
-                                u32 n_heads, u32 head_dim, u32 n_rot, u32 style, float freq_base,
-                                float freq_scale, float ext_factor, float mscale, float corr0,
-                                float corr1) {
-    u32 h = blockIdx.x, t = blockIdx.y;
-    float* head = x + ((u64)t * n_heads + h) * head_dim;
+                                u32 n_tok, u32 n_heads, u32 head_dim, u32 n_rot, u32 style,
+                                float freq_base, float freq_scale, float ext_factor, float mscale,
+                                float corr0, float corr1) {
     float theta_scale = powf(freq_base, -2.0f / (float)n_rot);
-    float pos = (float)positions[t];
-    for (u32 i = threadIdx.x; i < n_rot / 2; i += blockDim.x) {
-        float theta_extrap = pos * powf(theta_scale, (float)i);
-        float theta_interp = freq_scale * theta_extrap;
-        float theta = theta_interp;
-        if (ext_factor != 0.0f) {
-            float y = ((float)i - corr0) / fmaxf(0.001f, corr1 - corr0);
-            float ramp = 1.0f - fminf(1.0f, fmaxf(0.0f, y));
-            float mix = ramp * ext_factor;
-            theta = theta_interp * (1.0f - mix) + theta_extrap * mix;
+    u64 n_pairs = (u64)n_tok * n_heads;
+    for (u64 pair = blockIdx.x; pair < n_pairs; pair += gridDim.x) {
+        u32 t = (u32)(pair / n_heads);
+        float* head = x + pair * head_dim;
+        float pos = (float)positions[t];
+        for (u32 i = threadIdx.x; i < n_rot / 2; i += blockDim.x) {
+            float theta_extrap = pos * powf(theta_scale, (float)i);
+            float theta_interp = freq_scale * theta_extrap;
+            float theta = theta_interp;
+            if (ext_factor != 0.0f) {
+                float y = ((float)i - corr0) / fmaxf(0.001f, corr1 - corr0);
+                float ramp = 1.0f - fminf(1.0f, fmaxf(0.0f, y));
+                float mix = ramp * ext_factor;
+                theta = theta_interp * (1.0f - mix) + theta_extrap * mix;
+            }
+            float c = cosf(theta) * mscale, s = sinf(theta) * mscale;
+            u32 a = (style == 0) ? 2 * i : i;
+            u32 b = (style == 0) ? 2 * i + 1 : i + n_rot / 2;
+            float x0 = head[a], x1 = head[b];
+            head[a] = x0 * c - x1 * s;
+            head[b] = x0 * s + x1 * c;
         }
-        float c = cosf(theta) * mscale, s = sinf(theta) * mscale;
-        u32 a = (style == 0) ? 2 * i : i;
-        u32 b = (style == 0) ? 2 * i + 1 : i + n_rot / 2;
-        float x0 = head[a], x1 = head[b];
-        head[a] = x0 * c - x1 * s;
-        head[b] = x0 * s + x1 * c;
     }
 }

@@ -191,7 +191,12 @@ __device__ __forceinline__ void deq_q6_k(const u8* row, int c, float* y) {
     const u8* b = row + 210 * (c / 8);
     int s = c % 8, n = s / 4, quarter = s % 4;
     const u8* ql = b + 64 * n + 32 * (quarter & 1);
+#ifdef PLUMBLINE_FAULT_CUDA_Q6K_HIGH_BITS_HALF
+    // Fault (engine/src/faults.rs): the second half's high bits read from the first half's.
+    const u8* qh = b + 128;
+#else
     const u8* qh = b + 128 + 32 * n;
+#endif
     const i8* sc = (const i8*)(b + 192) + 8 * n + 2 * quarter;
     float d = ld_f16(b + 208);
     int shift = (quarter >= 2) ? 4 : 0;

@@ -69,7 +69,95 @@ fn model() -> Option<Model> {
 
 // Two decode steps of the real model: each costs a few seconds on the emulator (the 262144-row
 // output head dominates).
-crate::suite::suite_tests!(device(), model(), 2);
+crate::suite::backend_ops_tests!(device(), model(), 2);
+crate::suite::cuda_tests!(device());
+
+/// The emulator's device-memory high-water mark (`plumblineEmuMemoryPeak`; `reset` starts a new
+/// one at the bytes in use now).
+fn memory_peak(reset: bool) -> usize {
+    type PeakFn = unsafe extern "C" fn(i32) -> usize;
+    let lib = driver::probe(&search())
+        .unwrap_or_else(|e| panic!("{e}"))
+        .path;
+    // SAFETY: opening the emulator (already loaded by the backend) runs no new initializer.
+    let lib = unsafe { libloading::Library::new(&lib) }.unwrap_or_else(|e| panic!("{e}"));
+    // SAFETY: the emulator's C signature, `size_t plumblineEmuMemoryPeak(int reset)`.
+    let f =
+        unsafe { lib.get::<PeakFn>(b"plumblineEmuMemoryPeak") }.unwrap_or_else(|e| panic!("{e}"));
+    // SAFETY: no pointers; the emulator locks its allocation table.
+    unsafe { f(i32::from(reset)) }
+}
+
+/// Attention allocates nothing that grows with tokens × cells: 128 queries × 16 heads over 1024
+/// cells would need 8 MiB of scores (a 16384-token prompt with 32 heads, 34 GB); the device
+/// memory in use during the call may grow only by its inputs' metadata.
+#[test]
+fn attention_memory_does_not_grow_with_tokens_times_cells() {
+    use engine::runtime::{AttnMeta, Backend, CellMeta, KvDtype, KvSource, Mask, QueryMeta};
+    let Some(g) = device() else { return };
+    let (n_tok, n_head, n_cells, d) = (128usize, 16usize, 1024usize, 8usize);
+    let queries: Vec<QueryMeta> = (0..n_tok)
+        .map(|i| QueryMeta {
+            pos: (n_cells - n_tok + i) as u32,
+            seq: 0,
+        })
+        .collect();
+    let cells: Vec<CellMeta> = (0..n_cells)
+        .map(|j| CellMeta {
+            pos: j as u32,
+            seq: 0,
+            batch: CellMeta::COMMITTED,
+        })
+        .collect();
+    let ok = |r: Result<(), engine::runtime::RuntimeError>| r.unwrap_or_else(|e| panic!("{e}"));
+    let mut kv = g
+        .kv_new(d, d, KvDtype::F16)
+        .unwrap_or_else(|e| panic!("{e}"));
+    ok(g.kv_reserve(&mut kv, n_cells));
+    let all: Vec<u32> = (0..n_cells as u32).collect();
+    let rows = g
+        .upload(&vec![0.5; n_cells * d])
+        .unwrap_or_else(|e| panic!("{e}"));
+    ok(g.kv_write(&mut kv, &all, &rows, &rows));
+    let q = g
+        .upload(&vec![0.25; n_tok * n_head * d])
+        .unwrap_or_else(|e| panic!("{e}"));
+    let mut out = g
+        .alloc(n_tok * n_head * d)
+        .unwrap_or_else(|e| panic!("{e}"));
+    let meta = AttnMeta {
+        n_head,
+        n_head_kv: 1,
+        head_dim_k: d,
+        head_dim_v: d,
+        scale: 0.3,
+        mask: Mask::CAUSAL,
+        queries: &queries,
+        cells: &cells,
+        ancestors: &[],
+        anc_words: 0,
+    };
+    let before = memory_peak(true);
+    ok(g.attention(&q, KvSource::Cache(&kv), &meta, &mut out));
+    let grown = memory_peak(false) - before;
+    let scores = n_tok * n_head * n_cells * 4;
+    // Positions, sequences and batch indices of the queries and cells: ~13 KiB here.
+    let metadata = (2 * n_tok + 3 * n_cells) * 4;
+    assert!(
+        grown <= 2 * metadata,
+        "attention grew device memory by {grown} bytes (scores would be {scores}, its \
+         metadata is {metadata})"
+    );
+    let mut host = Vec::new();
+    g.download(&out, &mut host)
+        .unwrap_or_else(|e| panic!("{e}"));
+    // Every value row is 0.5: every output is 0.5, whatever the weights.
+    assert!(
+        host.iter().all(|&v| (v - 0.5).abs() < 1e-6),
+        "{:?}",
+        &host[..8]
+    );
+}
 
 #[test]
 fn the_driver_probe_names_the_emulator() {

@@ -18,4 +18,5 @@ fn model() -> Option<Model> {
     )
 }
 
-crate::suite::suite_tests!(device(), model(), 8);
+crate::suite::backend_ops_tests!(device(), model(), 8);
+crate::suite::cuda_tests!(device());

@@ -3,24 +3,34 @@
 # kernel of kernels/cuda/*.cu compiled by g++), and with --tests the checker's test kernels
 # (OUT_DIR/libplumbline_emu_tests.so) and test program (OUT_DIR/emu_selftest).
 #
-#   build.sh OUT_DIR [--asan] [--tests] [extra.cu ...]
+#   build.sh OUT_DIR [--asan] [--tests] [--define=NAME ...] [extra.cu ...]
+#
+# --define=NAME defines NAME (a fault of engine/src/faults.rs planted in the kernel sources, see
+# Fault::cuda_define) for every kernel whose sources mention it; `cargo xtask cuda-emu` uses it
+# only for a fault build, in a folder of its own.
 #
 # Incremental: an object is rebuilt only when one of its inputs is newer. Needs g++ (C++20) and
 # coreutils, nothing else. The plumbline binary never links this library: the engine loads it
 # like the real driver, and only when asked to (see README.md).
 set -euo pipefail
 
-usage() { echo "usage: $0 OUT_DIR [--asan] [--tests] [extra.cu ...]" >&2; exit 2; }
+usage() { echo "usage: $0 OUT_DIR [--asan] [--tests] [--define=NAME ...] [extra.cu ...]" >&2; exit 2; }
 [ $# -ge 1 ] || usage
 OUT=$1
 shift
 ASAN=0
 TESTS=0
 EXTRA=()
+DEFINES=()
 for a in "$@"; do
     case "$a" in
         --asan) ASAN=1 ;;
         --tests) TESTS=1 ;;
+        --define=*)
+            d=${a#--define=}
+            [[ "$d" =~ ^[A-Za-z_][A-Za-z0-9_]*$ ]] || usage
+            DEFINES+=("$d")
+            ;;
         --*) usage ;;
         *) EXTRA+=("$(cd "$(dirname "$a")" && pwd)/$(basename "$a")") ;;
     esac
@@ -124,11 +134,23 @@ build_kernels() {
     shift
     local objs=() pids=()
     for cu in "$@"; do
-        local tu obj
+        local tu obj defs=() stamp
         tu=$(gen_tu "$cu")
         obj="$OUT/obj/$prefix$(basename "$cu" .cu).o"
         objs+=("$obj")
-        EXTRA_DEPS="$cu $CUDA/common.cuh $CUDA/quant.cuh" compile "$tu" "$obj" "${KFLAGS[@]}" &
+        # The --define symbols this kernel's sources mention, and a stamp that changes with them.
+        for d in "${DEFINES[@]}"; do
+            if grep -q -w "$d" "$cu" "$CUDA/common.cuh" "$CUDA/quant.cuh"; then defs+=("-D$d=1"); fi
+        done
+        stamp="$obj.defines"
+        echo "${defs[*]}" > "$stamp.new"
+        if [ ! -e "$stamp" ] && [ ${#defs[@]} -eq 0 ]; then
+            # A first stamp of no symbols changes nothing: it is older than any object.
+            mv "$stamp.new" "$stamp"
+            touch -d @0 "$stamp"
+        elif ! cmp -s "$stamp.new" "$stamp"; then mv "$stamp.new" "$stamp"; else rm "$stamp.new"; fi
+        EXTRA_DEPS="$cu $CUDA/common.cuh $CUDA/quant.cuh $stamp" \
+            compile "$tu" "$obj" "${KFLAGS[@]}" "${defs[@]}" &
         pids+=($!)
         if [ ${#pids[@]} -ge "${PLUMBLINE_CUDA_EMU_JOBS:-2}" ]; then
             wait "${pids[0]}"

@@ -226,6 +226,7 @@ static std::mutex mem_mu;
 static std::map<uintptr_t, Alloc> allocs;        // live and recently freed, by start address
 static std::deque<uintptr_t> quarantine;         // freed, oldest first
 static size_t live_bytes = 0;
+static size_t peak_bytes = 0;  // the high-water mark of live_bytes (plumblineEmuMemoryPeak)
 static uint64_t next_id = 1;
 static const size_t PAGE = 4096;
 static const unsigned char CANARY = 0xA5;
@@ -274,6 +275,7 @@ static CUresult mem_alloc(CUdeviceptr* out, size_t size) {
 #endif
     allocs[a.ptr] = a;
     live_bytes += size;
+    peak_bytes = std::max(peak_bytes, live_bytes);
     *out = a.ptr;
     return OK;
 }
@@ -616,6 +618,14 @@ EXPORT const char* plumblineEmuLastError(void) {
     static thread_local std::string copy;
     copy = last_error;
     return copy.c_str();
+}
+
+// The most device memory in use at once (bytes) since the last reset; `reset` starts a new mark at
+// the bytes in use now. Tests bound what an operation allocates with it.
+EXPORT size_t plumblineEmuMemoryPeak(int reset) {
+    std::lock_guard<std::mutex> g(mem_mu);
+    if (reset) peak_bytes = live_bytes;
+    return peak_bytes;
 }
 
 EXPORT int plumblineEmuLastErrorCode(void) {

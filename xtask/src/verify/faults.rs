@@ -9,6 +9,11 @@
 //! - A clean control run (no fault, the same cases, the same fault build) goes first; the suite
 //!   fails if the control fails, since a fault "caught" by a case that fails anyway proves nothing.
 //! - `--fault NAME` picks faults; an unknown name is an error that lists the known ones.
+//! - CUDA faults planted in the kernel sources (`Fault::cuda_define`) reach the device code
+//!   through the fault build only: the engine defines the fault's symbol in the programs NVRTC
+//!   compiles (another source hash, so another cubin cache entry than the clean kernels') and
+//!   `cargo xtask cuda-emu` builds an emulator with it in `target/faults/cuda-emu/<fault>`; the
+//!   clean `target/cuda-emu` and the clean cubins are never built with a fault.
 //! - The table is keyed by [`Fault`]; every fault of [`Fault::ALL`] must have exactly one
 //!   expectation (checked before anything runs, and by a unit test).
 //!
@@ -201,6 +206,34 @@ const FAULTS: &[Expectation] = &[
         case: "deepseek2/q4_k/*/tp2-shm/off",
         expect: "blk.0.q",
     },
+    // CUDA-only faults, caught by the emulated CUDA backend (cuda-emu cases: the fault build
+    // runs them with --cuda-emu; the CPU cases of the same fixtures would pass). llama-q4_k_m's
+    // q and k are Q4_K, attn_v of layer 0 its first Q6_K matrix: the second half of each
+    // super-block of v gets wrong high bits (a 32-token prefill: the GEMM path).
+    Expectation {
+        fault: Fault::CudaQ6KHighBitsHalf,
+        case: "llama/q4_k_m/cuda-emu/tp1-shm/off",
+        expect: "blk.0.v",
+    },
+    // q, k and v are right; every query also sees the next token's cell.
+    Expectation {
+        fault: Fault::CudaCausalMaskOffByOne,
+        case: "llama/q8_0/cuda-emu/tp1-shm/off",
+        expect: "blk.0.attn",
+    },
+    // The 32-token prefill multiplies through the GEMM (≥ 16 tokens, F16 weights); attn_q is
+    // its first product.
+    Expectation {
+        fault: Fault::CudaGemmMissingBarrier,
+        case: "llama/f16/cuda-emu/tp1-shm/off",
+        expect: "blk.0.q",
+    },
+    // RoPE turns the right projections into wrong q (the first rotated tap).
+    Expectation {
+        fault: Fault::CudaRopeArgsSwapped,
+        case: "llama/q8_0/cuda-emu/tp1-shm/off",
+        expect: "blk.0.q",
+    },
 ];
 
 struct Outcome {
@@ -307,6 +340,10 @@ fn run_one(exe: &PathBuf, args: &Args, case: &str, fault: Option<Fault>) -> Resu
     ])
     .arg("--out")
     .arg(&out_dir);
+    if case.contains("cuda-emu") {
+        // The emulated CUDA cases are only in the matrix with --cuda-emu.
+        cmd.arg("--cuda-emu");
+    }
     match fault {
         Some(f) => cmd.env(engine::faults::ENV_VAR, f.name()),
         None => cmd.env_remove(engine::faults::ENV_VAR),
@@ -337,10 +374,19 @@ pub fn run(args: &Args) -> Result<()> {
     cases.sort_unstable();
     cases.dedup();
     let mut control_failures = Vec::new();
+    // Emulated CUDA cases this machine cannot run (no NVRTC, no g++): their faults are reported
+    // as skipped with the reason, never as caught.
+    let mut unrunnable: Vec<(&str, String)> = Vec::new();
     for case in &cases {
         eprintln!("control (no fault): verify --filter '{case}'");
         let report = run_one(&exe, args, case, None)?;
         let (runnable, failed) = control_verdicts(&report);
+        if runnable == 0 && case.contains("cuda-emu") {
+            let reason = skip_reason(&report).unwrap_or_else(|| "no runnable case".to_owned());
+            println!("control  {case}: skipped, because {reason}");
+            unrunnable.push((case, reason));
+            continue;
+        }
         println!(
             "control  {case}: {runnable} case(s) run, {}",
             if failed.is_empty() {
@@ -362,7 +408,12 @@ pub fn run(args: &Args) -> Result<()> {
     }
 
     let mut outcomes = Vec::new();
+    let mut skipped = Vec::new();
     for e in chosen {
+        if let Some((_, reason)) = unrunnable.iter().find(|(c, _)| *c == e.case) {
+            skipped.push(format!("{} (skipped, because {reason})", e.fault));
+            continue;
+        }
         eprintln!("fault {}: verify --filter '{}'", e.fault, e.case);
         let report = run_one(&exe, args, e.case, Some(e.fault))?;
         outcomes.push(judge(e, &report));
@@ -395,7 +446,14 @@ pub fn run(args: &Args) -> Result<()> {
         .map(|o| o.fault.clone())
         .collect();
     let caught = outcomes.len() - escaped.len();
-    println!("{caught} passed, {} failed (control passed)", escaped.len());
+    for s in &skipped {
+        println!("{s}");
+    }
+    println!(
+        "{caught} passed, {} failed, {} skipped (control passed)",
+        escaped.len(),
+        skipped.len()
+    );
     if !escaped.is_empty() {
         bail!(
             "faults not detected at the expected place: {}",
@@ -427,6 +485,16 @@ fn control_verdicts(report: &Value) -> (usize, Vec<String>) {
         }
     }
     (runnable, failed)
+}
+
+/// Why the report's first case was skipped, if it was.
+fn skip_reason(report: &Value) -> Option<String> {
+    report["cases"]
+        .as_array()?
+        .iter()
+        .find(|c| c["verdict"]["status"] == "skipped")
+        .and_then(|c| c["verdict"]["reason"].as_str())
+        .map(str::to_owned)
 }
 
 /// Read the fault run's report: the case must have failed, and its finding is the first divergent

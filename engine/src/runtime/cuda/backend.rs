@@ -9,7 +9,12 @@
 //!
 //! Products: decode (and any call with few tokens) runs the per-type matrix-vector kernel on
 //! activations quantized once to q8_1 (`mmv.cu`); prefill with at least [`GEMM_MIN_TOKENS`]
-//! tokens dequantizes the weight to f16 and runs the tiled GEMM (`dequant.cu`).
+//! tokens dequantizes the weight to f16 and runs the tiled GEMM (`dequant.cu`), except F32 and
+//! BF16 weights, whose range or precision f16 would lose (they stay on the matrix-vector
+//! kernels).
+//!
+//! Shapes: token counts never go to a grid's y or z dimension (65535 at most); kernels over
+//! tokens stride over grid x. An empty shape launches nothing (a GPU refuses an empty grid).
 //!
 //! Not yet here (see the issue): CUDA graph capture of the decode step, cuBLAS for prefill, NCCL.
 
@@ -72,6 +77,13 @@ impl ActRound {
 
 /// Rows per block of the matrix-vector kernels (`MMV_ROWS` in mmv.cu).
 const MMV_ROWS: u32 = 4;
+
+/// The largest grid x (2³¹ − 1); y and z stop at 65535, so token counts never go there.
+const MAX_GRID_X: usize = 0x7fff_ffff;
+
+/// Threads of an attention block, and cells per tile of its online softmax (`ATTN_THREADS` in
+/// attention.cu).
+const ATTN_THREADS: usize = 128;
 
 fn drv(e: cudarc::driver::DriverError) -> RuntimeError {
     RuntimeError::Cuda(CudaError::Driver(e.to_string()))
@@ -453,6 +465,9 @@ impl CudaBackend {
     fn quantize_q8_1(&self, x: &Dev<f32>, n_tok: usize, k: usize) -> Result<Dev<u8>, RuntimeError> {
         let n_blocks = n_tok * k / 32;
         let y = self.zeros::<u8>(n_blocks * 36)?;
+        if n_blocks == 0 {
+            return Ok(y);
+        }
         let cfg = LaunchConfig {
             grid_dim: ((n_blocks as u32).div_ceil(8), 1, 1),
             block_dim: (32, 8, 1),
@@ -607,13 +622,14 @@ impl CudaBackend {
             ],
         )?;
         // Kernel gemm_f16_f32(const u16* w, const float* x, float* out, u32 n_rows, u32 k_dim,
-        // u32 n_tok): 32×32 tiles, blockDim (32, 8).
+        // u32 n_tok): 32×32 tiles, blockDim (32, 8), grid (row tiles, ≤ 65535 token tiles).
         self.launch(
             "gemm_f16_f32",
             LaunchConfig {
+                // Token tiles beyond 65535 are strided over by the kernel.
                 grid_dim: (
                     (w.n_rows as u32).div_ceil(32),
-                    (n_tok as u32).div_ceil(32),
+                    (n_tok.div_ceil(32)).min(65_535) as u32,
                     1,
                 ),
                 block_dim: (32, 8, 1),
@@ -639,19 +655,6 @@ impl CudaBackend {
         }
     }
 
-    /// Indices back on the host (routing results, sampled ids).
-    pub fn download_ids(&self, ids: &Dev<u32>) -> Result<Vec<u32>, RuntimeError> {
-        if ids.is_empty() {
-            return Ok(Vec::new());
-        }
-        let mut v = self
-            .stream
-            .clone_dtoh(&ids.mem.slice(..ids.len))
-            .map_err(drv)?;
-        v.truncate(ids.len);
-        Ok(v)
-    }
-
     /// Token ids of the most likely next token for each of `n_rows` rows of `width` logits,
     /// on the device. Twin: [`crate::sampling::argmax`].
     pub fn argmax_rows(
@@ -661,6 +664,12 @@ impl CudaBackend {
         width: usize,
     ) -> Result<Vec<u32>, RuntimeError> {
         check_len("argmax logits", n_rows * width, logits.len())?;
+        if n_rows == 0 {
+            return Ok(Vec::new());
+        }
+        if width == 0 {
+            return Err(shape("argmax row width (at least one logit)", 1, 0));
+        }
         let out = self.zeros::<u32>(n_rows)?;
         // Kernel argmax_rows(const float* x, u32 width, u32* out): one block of 256 per row.
         self.launch(
@@ -692,6 +701,9 @@ impl CudaBackend {
     ) -> Result<u32, RuntimeError> {
         if top_k == 0 || top_k > 64 {
             return Err(shape("device sampling top_k (1..=64)", 64, top_k));
+        }
+        if logits.is_empty() {
+            return Err(shape("device sampling logits (at least one)", 1, 0));
         }
         let out = self.zeros::<u32>(1)?;
         // Kernel sample_top_k(const float* logits, u32 n, u32 top_k, float temperature,
@@ -845,6 +857,17 @@ impl Backend for CudaBackend {
         self.stream.synchronize().map_err(drv)
     }
 
+    fn download_ids(&self, ids: &Dev<u32>, out: &mut Vec<u32>) -> Result<(), RuntimeError> {
+        out.resize(ids.len(), 0);
+        if ids.is_empty() {
+            return Ok(());
+        }
+        self.stream
+            .memcpy_dtoh(&ids.mem.slice(..ids.len), out.as_mut_slice())
+            .map_err(drv)?;
+        self.stream.synchronize().map_err(drv)
+    }
+
     fn buf_len(&self, buf: &Dev<f32>) -> usize {
         buf.len()
     }
@@ -897,13 +920,23 @@ impl Backend for CudaBackend {
         if w.n_mats != 1 {
             return Err(shape("matmul weight (one matrix)", 1, w.n_mats));
         }
-        if n_tokens == 0 {
-            return Ok(());
+        if n_tokens == 0 || w.n_rows == 0 {
+            return Ok(()); // no outputs: no launch (an empty grid is an invalid launch)
+        }
+        if w.k_dim == 0 {
+            // Sums over no values.
+            return self.stream.memset_zeros(&mut out.mem).map_err(drv);
         }
         // The GEMM multiplies f16 weights: F32 and BF16 weights (whose range or precision f16
-        // would lose) stay on the matrix-vector kernels.
-        let f16_exact = !matches!(w.ty, GgmlType::F32 | GgmlType::BF16);
-        if n_tokens >= GEMM_MIN_TOKENS && f16_exact {
+        // would lose) stay on the matrix-vector kernels, and so do Q4_1 and Q5_1, whose dot
+        // product adds min × the f16-rounded sum of each activation block (ggml's q8_1 `s`),
+        // which only the matrix-vector kernel reproduces (a GEMM on dequantized weights differs
+        // from the CPU by NMSE ~6e-7, the size of a wrong scale in one block of a long row).
+        let gemm_ok = !matches!(
+            w.ty,
+            GgmlType::F32 | GgmlType::BF16 | GgmlType::Q4_1 | GgmlType::Q5_1
+        );
+        if n_tokens >= GEMM_MIN_TOKENS && gemm_ok {
             return self.gemm(w, x, n_tokens, out);
         }
         self.mmv(w, x, None, n_tokens, n_tokens, out)
@@ -929,8 +962,11 @@ impl Backend for CudaBackend {
         check_len("expert matmul input", n_x * w.k_dim, x.len())?;
         check_len("expert ids", n_tokens * k, ids.len())?;
         check_len("expert matmul output", n_tokens * k * w.n_rows, out.len())?;
-        if n_tokens * k == 0 {
+        if n_tokens * k == 0 || w.n_rows == 0 {
             return Ok(());
+        }
+        if w.k_dim == 0 {
+            return self.stream.memset_zeros(&mut out.mem).map_err(drv);
         }
         self.mmv(w, x, Some((ids, k, x_per_slot)), n_x, n_tokens * k, out)
     }
@@ -944,7 +980,7 @@ impl Backend for CudaBackend {
     ) -> Result<(), RuntimeError> {
         check_len("embed tokens", n_tokens, tokens.len())?;
         check_len("embed output", n_tokens * w.k_dim, out.len())?;
-        if n_tokens == 0 {
+        if n_tokens == 0 || w.k_dim == 0 {
             return Ok(());
         }
         let chunks = n_tokens * w.k_dim / 32;
@@ -1055,6 +1091,13 @@ impl Backend for CudaBackend {
         rope: &RopeConfig,
     ) -> Result<(), RuntimeError> {
         check_len("rope input", positions.len() * n_heads * head_dim, x.len())?;
+        if positions.len() > u32::MAX as usize {
+            return Err(shape(
+                "rope tokens (< 2^32)",
+                u32::MAX as usize,
+                positions.len(),
+            ));
+        }
         if rope.n_rot > head_dim || !rope.n_rot.is_multiple_of(2) {
             return Err(shape(
                 "rope dimensions (even, at most the head width)",
@@ -1089,25 +1132,32 @@ impl Backend for CudaBackend {
             RopeStyle::Normal => 0,
             RopeStyle::Neox => 1,
         };
-        // Kernel rope(float* x, const u32* positions, u32 n_heads, u32 head_dim, u32 n_rot,
-        // u32 style, float freq_base, float freq_scale, float ext_factor, float mscale,
-        // float corr0, float corr1): grid (n_heads, n_tok).
+        // Kernel rope(float* x, const u32* positions, u32 n_tok, u32 n_heads, u32 head_dim,
+        // u32 n_rot, u32 style, float freq_base, float freq_scale, float ext_factor,
+        // float mscale, float corr0, float corr1): one block per (token, head) pair, the
+        // blocks striding over them (grid x only: any token count).
+        let pairs = positions.len() * n_heads;
+        let (mut base, mut scale) = (rope.freq_base, rope.freq_scale);
+        if crate::faults::is_active(crate::faults::Fault::CudaRopeArgsSwapped) {
+            std::mem::swap(&mut base, &mut scale);
+        }
         self.launch(
             "rope",
             LaunchConfig {
-                grid_dim: (n_heads as u32, positions.len() as u32, 1),
+                grid_dim: (pairs.min(MAX_GRID_X) as u32, 1, 1),
                 block_dim: (((rope.n_rot / 2) as u32).clamp(1, 256), 1, 1),
                 shared_mem_bytes: 0,
             },
             &[
                 Arg::Ptr(self.ptr(x)),
                 Arg::Ptr(self.ptr(&pos)),
+                Arg::U32(positions.len() as u32),
                 Arg::U32(n_heads as u32),
                 Arg::U32(head_dim as u32),
                 Arg::U32(rope.n_rot as u32),
                 Arg::U32(style),
-                Arg::F32(rope.freq_base),
-                Arg::F32(rope.freq_scale),
+                Arg::F32(base),
+                Arg::F32(scale),
                 Arg::F32(ext),
                 Arg::F32(mscale),
                 Arg::F32(corr[0]),
@@ -1400,12 +1450,16 @@ impl Backend for CudaBackend {
         out: &mut Dev<f32>,
     ) -> Result<(), RuntimeError> {
         check_len("moe_combine weights", n_tokens * k, weights.len())?;
-        if n_tokens == 0 {
+        // As the CPU twin: no tokens or no experts leave `out` as it is.
+        if n_tokens == 0 || k == 0 {
             return Ok(());
         }
         let width = out.len() / n_tokens;
         check_len("moe_combine output", n_tokens * width, out.len())?;
         check_len("moe_combine input", n_tokens * k * width, y.len())?;
+        if width == 0 {
+            return Ok(());
+        }
         // Kernel moe_combine(y, weights, out, u32 n_tok, u32 k, u32 width).
         self.launch(
             "moe_combine",
@@ -1629,8 +1683,15 @@ impl Backend for CudaBackend {
         if m.mask.tree {
             check_len("attention ancestors", n * m.anc_words, m.ancestors.len())?;
         }
-        if n == 0 {
-            return Ok(());
+        if n * m.n_head == 0 {
+            return Ok(()); // no outputs: no launch
+        }
+        if n > u32::MAX as usize || n_cells > u32::MAX as usize {
+            return Err(shape(
+                "attention tokens and cells (< 2^32 each)",
+                u32::MAX as usize,
+                n.max(n_cells),
+            ));
         }
         let (k_stride, v_stride) = (m.n_head_kv * m.head_dim_k, m.n_head_kv * m.head_dim_v);
         let (name, kp, vp) = match kv {
@@ -1656,6 +1717,18 @@ impl Backend for CudaBackend {
                 ("attention_f32", self.ptr(k), self.ptr(v))
             }
         };
+        // The query head and one tile of weights go to dynamic shared memory, beside the
+        // kernel's static shared memory (its reduction scratch): together at most the 48 KiB a
+        // block gets without opting in.
+        let static_smem = self.static_shared(name)?;
+        let max_dk = (48 * 1024 - static_smem.min(48 * 1024)) / 4 - ATTN_THREADS.min(12 * 1024);
+        if m.head_dim_k > max_dk {
+            return Err(shape(
+                "attention head width (the query head in 48 KiB of shared memory)",
+                max_dk,
+                m.head_dim_k,
+            ));
+        }
         let q_pos = self.upload_u32(&m.queries.iter().map(|q| q.pos).collect::<Vec<_>>())?;
         let q_seq = self.upload_u32(&m.queries.iter().map(|q| q.seq).collect::<Vec<_>>())?;
         let c_pos = self.upload_u32(&m.cells.iter().map(|c| c.pos).collect::<Vec<_>>())?;
@@ -1666,32 +1739,26 @@ impl Backend for CudaBackend {
         } else {
             None
         };
-        let scores = self.zeros_f32(n * m.n_head * n_cells)?;
+        // The mask's rule exactly (`Mask::visible`): distance ≥ window is masked, so a window
+        // of 0 sees nothing; u64::MAX (WINDOW_NONE) is no window, and no distance between two
+        // u32 positions reaches it.
         let window = match m.mask.window {
-            Some(w) => u32::try_from(w).unwrap_or(u32::MAX).max(1),
-            None => 0,
+            Some(w) => u64::try_from(w).unwrap_or(u64::MAX),
+            None => u64::MAX,
         };
-        // The query head goes to dynamic shared memory, beside the kernel's static shared memory
-        // (its reduction scratch): together at most the 48 KiB a block gets without opting in.
-        let static_smem = self.static_shared(name)?;
-        let max_dk = (48 * 1024 - static_smem.min(48 * 1024)) / 4;
-        if m.head_dim_k > max_dk {
-            return Err(shape(
-                "attention head width (the query head in 48 KiB of shared memory)",
-                max_dk,
-                m.head_dim_k,
-            ));
-        }
-        let shared = (m.head_dim_k * 4) as u32;
-        // Kernel attention_{f32,f16}(q, k, v, u64 k_stride, u64 v_stride, out, u32 n_head,
-        // u32 n_head_kv, u32 dk, u32 dv, float scale, u32 causal, u32 window, u32 tree,
-        // q_pos, q_seq, c_pos, c_seq, c_batch, u32 n_cells, const u64* anc, u32 anc_words,
-        // float* scores): grid (n_head, n_tok), dynamic shared memory dk floats.
+        let shared = ((m.head_dim_k + ATTN_THREADS) * 4) as u32;
+        // Kernel attention_{f32,f16}(q, k, v, u64 k_stride, u64 v_stride, out, u32 n_tok,
+        // u32 n_head, u32 n_head_kv, u32 dk, u32 dv, float scale, u32 causal, u64 window,
+        // u32 tree, q_pos, q_seq, c_pos, c_seq, c_batch, u32 n_cells, const u64* anc,
+        // u32 anc_words): one block of ATTN_THREADS per (token, head) pair, the blocks striding
+        // over the pairs (grid x only: any token count); dynamic shared memory dk + ATTN_THREADS
+        // floats; no scratch that grows with tokens × cells (an online softmax over tiles).
+        let pairs = n * m.n_head;
         self.launch(
             name,
             LaunchConfig {
-                grid_dim: (m.n_head as u32, n as u32, 1),
-                block_dim: (128, 1, 1),
+                grid_dim: (pairs.min(MAX_GRID_X) as u32, 1, 1),
+                block_dim: (ATTN_THREADS as u32, 1, 1),
                 shared_mem_bytes: shared,
             },
             &[
@@ -1701,13 +1768,14 @@ impl Backend for CudaBackend {
                 Arg::U64(k_stride as u64),
                 Arg::U64(v_stride as u64),
                 Arg::Ptr(self.ptr(out)),
+                Arg::U32(n as u32),
                 Arg::U32(m.n_head as u32),
                 Arg::U32(m.n_head_kv as u32),
                 Arg::U32(m.head_dim_k as u32),
                 Arg::U32(m.head_dim_v as u32),
                 Arg::F32(m.scale),
                 Arg::U32(u32::from(m.mask.causal)),
-                Arg::U32(window),
+                Arg::U64(window),
                 Arg::U32(u32::from(m.mask.tree)),
                 Arg::Ptr(self.ptr(&q_pos)),
                 Arg::Ptr(self.ptr(&q_seq)),
@@ -1717,7 +1785,6 @@ impl Backend for CudaBackend {
                 Arg::U32(n_cells as u32),
                 Arg::Ptr(anc.as_ref().map_or(0, |a| self.ptr(a))),
                 Arg::U32(m.anc_words as u32),
-                Arg::Ptr(self.ptr(&scores)),
             ],
         )
     }

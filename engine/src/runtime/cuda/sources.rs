@@ -57,17 +57,51 @@ pub const FILES: [KernelFile; 8] = [
     },
 ];
 
+/// The entry point that marks a program (and an emulator) built with `fault`'s define.
+pub fn fault_marker(fault: crate::faults::Fault) -> String {
+    format!("plumbline_fault_{}", fault.name().replace(['-', '.'], "_"))
+}
+
+/// The source of [`fault_marker`]'s kernel (an empty `extern "C" __global__` function).
+pub fn fault_marker_source(fault: crate::faults::Fault) -> String {
+    format!(
+        "extern \"C\" __global__ void {}() {{}}\n",
+        fault_marker(fault)
+    )
+}
+
+/// What a program starts with: nothing, unless a CUDA source fault is active (fault-injection
+/// builds only; see [`KernelFile::program`]).
+fn fault_prelude(file: &str) -> String {
+    let Some(fault) = crate::faults::active_cuda_source_fault() else {
+        return String::new();
+    };
+    let define = fault.cuda_define().unwrap_or_default();
+    let mut s = format!("// ---- fault {fault} (fault-injection build)\n#define {define} 1\n");
+    if file == "quantize.cu" {
+        s.push_str(&fault_marker_source(fault));
+    }
+    s
+}
+
 impl KernelFile {
     /// A file with this body (tests compile deliberately broken kernels through it).
     pub const fn custom(name: &'static str, body: &'static str) -> KernelFile {
         KernelFile { name, body }
     }
 
-    /// The program NVRTC compiles: prelude, then the file.
+    /// The program NVRTC compiles: prelude, then the file. In a fault-injection build with a
+    /// fault planted in the kernel sources active ([`crate::faults::Fault::cuda_define`]), the
+    /// program starts with that fault's `#define` (so its hash, and its cubin cache entry, differ
+    /// from the clean program's), and `quantize.cu` gets an extra entry point named after the
+    /// fault, which only an emulator built with the same fault has: a fault cubin never runs
+    /// on a clean emulator's host code unnoticed (the backend fails to load it).
     pub fn program(&self) -> String {
         format!(
-            "// ---- common.cuh\n{COMMON}\n// ---- quant.cuh\n{QUANT}\n// ---- {}\n{}",
-            self.name, self.body
+            "{}// ---- common.cuh\n{COMMON}\n// ---- quant.cuh\n{QUANT}\n// ---- {}\n{}",
+            fault_prelude(self.name),
+            self.name,
+            self.body
         )
     }
 
