@@ -555,6 +555,10 @@ impl Backend for CpuBackend {
     ) -> Result<(), RuntimeError> {
         let (kd, nr) = (w.k_dim, w.n_rows);
         check_len("expert ids", n_tokens * k, ids.len())?;
+        if nr == 0 {
+            // Expert matrices of no rows: an empty output, nothing to compute.
+            return check_len("expert output", 0, out.len());
+        }
         let x_rows = if x_per_slot { n_tokens * k } else { n_tokens };
         check_len("expert input", x_rows * kd, x.len())?;
         check_len("expert output", n_tokens * k * nr, out.len())?;

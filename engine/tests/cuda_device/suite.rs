@@ -632,14 +632,6 @@ pub(crate) fn data_movement_is_exact<B: Backend>(g: &B) {
     check_exact("gather_rows", &down(g, &rg), &rc);
 }
 
-/// Products the CPU backend panics on (found by this suite; engine/src/runtime/cpu.rs and
-/// kernels/src/cpu are outside its reach): rows of no values (the SIMD kernels divide by the
-/// row's byte size) and expert matrices of no rows (`chunks_exact(0)` in `matmul_experts`).
-/// Skipped, with a line saying so, when the backend under test is the CPU's.
-fn cpu_panics_on<B: Backend>(g: &B, n_rows: usize, k: usize) -> bool {
-    g.name().starts_with("cpu") && (k == 0 || n_rows == 0)
-}
-
 /// Every op on empty shapes: no launch (a GPU and the emulator refuse an empty grid), an empty
 /// or all-zero result equal to the CPU's, no error.
 pub(crate) fn empty_shapes<B: Backend>(g: &B) {
@@ -661,13 +653,6 @@ pub(crate) fn empty_shapes<B: Backend>(g: &B) {
             (0, 0, 0),
         ] {
             let what = format!("{ty:?} {n_rows}×{k}, {n_tok} tokens");
-            if cpu_panics_on(g, n_rows, k) {
-                println!(
-                    "skipped on {}: {what} (the CPU backend panics there)",
-                    g.name()
-                );
-                continue;
-            }
             let bytes = weight(ty, n_rows, k, 3);
             let wg = ok(g.prepare(wd(ty, k, n_rows, 1, &bytes)), &what);
             let x = randn(n_tok * k, 4);

@@ -586,7 +586,9 @@ mod tests {
         )
         .unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(old.path, PathMode::Prefill);
-        assert!("llama/q8_0/cpu-avx2/tp1-shm/prefill".parse::<Case>().is_err());
+        assert!("llama/q8_0/cpu-avx2/tp1-shm/prefill"
+            .parse::<Case>()
+            .is_err());
     }
 
     fn reason(name: &str, m: &MachineCaps) -> Option<String> {

@@ -431,6 +431,11 @@ impl CpuKernels {
         if n_rows == 0 || n_tokens == 0 {
             return Ok(());
         }
+        if k_dim == 0 {
+            // Rows of no values: every product is the empty sum (no row kernel divides by it).
+            out.fill(0.0);
+            return Ok(());
+        }
         let row_bytes = w.len() / n_rows;
         let per_tok = k_dim / act_block(ty);
         let dot4 = self.table4.get(ty.id() as usize).copied().flatten();
