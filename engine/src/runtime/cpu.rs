@@ -609,6 +609,17 @@ impl Backend for CpuBackend {
     ) -> Result<(), RuntimeError> {
         check_len("embedding tokens", n_tokens, tokens.len())?;
         check_len("embedding output", n_tokens * w.k_dim, out.len())?;
+        if w.k_dim == 0 {
+            // Rows of no values: nothing to write, the ids still checked.
+            return match tokens.iter().find(|&&t| t as usize >= w.n_rows) {
+                Some(&t) => Err(RuntimeError::TokenOutOfRange {
+                    token: t,
+                    index: 0,
+                    n_vocab: w.n_rows,
+                }),
+                None => Ok(()),
+            };
+        }
         let row_bytes = w.k_dim / w.ty.block_size() * w.ty.type_size();
         let data = w.matrix(0)?;
         for (&t, row) in tokens.iter().zip(out.chunks_exact_mut(w.k_dim)) {
