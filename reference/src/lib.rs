@@ -294,7 +294,10 @@ impl ReferenceModel {
             Err(e) => Err(e.to_string()),
         };
         let footprint = Footprint::of(&file);
-        if !matches!(architecture.as_str(), "llama" | "gemma3" | "deepseek2") {
+        if !matches!(
+            architecture.as_str(),
+            "llama" | "gemma3" | "deepseek2" | "glm-dsa"
+        ) {
             return Err(ReferenceError::UnsupportedArchitecture(architecture));
         }
         let streaming = residency == Residency::Streaming;
