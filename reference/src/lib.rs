@@ -472,6 +472,28 @@ impl ReferenceModel {
         }
     }
 
+    /// The lightning indexer's scores of full layer `layer` (`glm-dsa`) on `tokens`,
+    /// `[query][key position]` in f64 for the causally visible positions (`0..=query`): what
+    /// its top-k selection ranks. For explaining a selection flip between the engine and the
+    /// reference with both sides' scores. An error for a model without an indexer, or for a
+    /// shared layer.
+    pub fn indexer_scores(
+        &self,
+        tokens: &[u32],
+        layer: usize,
+    ) -> Result<Vec<Vec<f64>>, ReferenceError> {
+        match &self.arch {
+            Arch::Deepseek2(m) => {
+                self.check_tokens(tokens)?;
+                m.indexer_scores(tokens, layer)
+            }
+            _ => Err(ReferenceError::Unsupported(format!(
+                "indexer scores of {}, which has no lightning indexer",
+                self.architecture
+            ))),
+        }
+    }
+
     /// How MoE layer `layer` chooses its experts; `None` for a dense layer (and for every layer
     /// of a dense architecture).
     pub fn routing(&self, layer: usize) -> Result<Option<Routing>, ReferenceError> {

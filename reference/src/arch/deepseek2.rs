@@ -324,6 +324,28 @@ impl Deepseek2 {
         self.hidden_routed(tokens, taps, &Forced::new())
     }
 
+    /// The indexer scores of full layer `layer` on `tokens` (see
+    /// [`crate::ReferenceModel::indexer_scores`]): the forward runs up to that layer.
+    pub fn indexer_scores(&self, tokens: &[u32], layer: usize) -> Result<Vec<Vec<f64>>> {
+        let Some(dsa) = &self.dsa else {
+            return Err(ReferenceError::Unsupported(
+                "indexer scores of a model without a lightning indexer".to_string(),
+            ));
+        };
+        if !dsa.is_full(layer) || layer >= self.layers.len() {
+            return Err(ReferenceError::Unsupported(format!(
+                "indexer scores of layer {layer}: not a full indexer layer"
+            )));
+        }
+        dsa.record(layer);
+        let run = self.hidden_routed(tokens, &mut |_, _, _| {}, &Forced::new());
+        let scores = dsa.take_recorded();
+        run?;
+        scores.ok_or_else(|| {
+            ReferenceError::Unsupported(format!("layer {layer}'s indexer did not run"))
+        })
+    }
+
     /// The routing of layer `i`: `None` for a dense layer.
     pub fn routing(&self, i: usize) -> Result<Option<Routing>> {
         if i >= self.layers.len() {

@@ -30,6 +30,8 @@
 //! - `block_count` counts the NextN blocks (`nextn_predict_layers`); the trunk is the rest
 //!   (llama.cpp `n_layer_all` / `n_layer()`).
 
+use std::sync::Mutex;
+
 use candle_core::{DType, Device, Tensor, D};
 
 use super::Loader;
@@ -45,6 +47,9 @@ pub(crate) struct Dsa {
     /// Per trunk layer: computes a fresh selection (true) or reuses the last one (false).
     full: Vec<bool>,
     eps: f64,
+    /// A layer whose scores the next forward keeps, and what it kept
+    /// ([`Dsa::record`], [`Dsa::take_recorded`]).
+    recorded: Mutex<(Option<usize>, Option<Vec<Vec<f64>>>)>,
 }
 
 /// One layer's indexer weights.
@@ -110,7 +115,20 @@ impl Dsa {
             },
             full,
             eps: ld.f64_opt("attention.layer_norm_epsilon")?.unwrap_or(1e-6),
+            recorded: Mutex::new((None, None)),
         })
+    }
+
+    /// Keep the scores of layer `layer` when the next forward computes them.
+    pub fn record(&self, layer: usize) {
+        *self.recorded.lock().unwrap_or_else(|p| p.into_inner()) = (Some(layer), None);
+    }
+
+    /// The scores kept since [`Dsa::record`] (`[query][position ≤ query]`), and stop keeping.
+    pub fn take_recorded(&self) -> Option<Vec<Vec<f64>>> {
+        let mut r = self.recorded.lock().unwrap_or_else(|p| p.into_inner());
+        r.0 = None;
+        r.1.take()
     }
 
     /// Whether trunk layer `i` computes its own selection.
@@ -172,6 +190,18 @@ impl Dsa {
             .sum(0)?
             .to_dtype(DType::F64)?
             .to_vec2::<f64>()?;
+        {
+            let mut r = self.recorded.lock().unwrap_or_else(|p| p.into_inner());
+            if r.0 == Some(i) {
+                r.1 = Some(
+                    scores
+                        .iter()
+                        .enumerate()
+                        .map(|(t, row)| row[..=t].to_vec())
+                        .collect(),
+                );
+            }
+        }
         let mut selected = Vec::with_capacity(n);
         for (t, row) in scores.iter().enumerate() {
             let mut cand: Vec<usize> = (0..=t).collect();
