@@ -149,3 +149,113 @@ fn indexer_flips_against_the_engine_are_near_ties() {
         tokens.len()
     );
 }
+
+/// The building block of a selection-aware comparison: the reference following the engine's
+/// selection wherever the two differ (`ForcedSelections`, at every full layer, found layer by
+/// layer) and then every tap compared with the harness's policy, as `engine_vs_reference.rs`
+/// does for every fixture on the sample sentence — here on verify's 32 tokens, where a near-tie
+/// flips (see `indexer_flips_against_the_engine_are_near_ties`).
+#[test]
+fn following_the_engines_selection_the_reference_matches_it() {
+    use engine::exec::{Engine, Session};
+    use engine::model::Model;
+    use engine::runtime::CpuBackend;
+    use engine::taps::TapRecorder;
+    use harness::tap::Tap;
+    use harness::tolerance::{CaseContext, TolerancePolicy};
+    use reference::ForcedSelections;
+
+    let spec = fixtures::by_name("glm-dsa-q4_k").expect("glm-dsa fixture");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = fixtures::write(&spec, dir.path()).expect("write fixture");
+    let text = include_str!("../data/pride_and_prejudice_ch1.txt");
+    let r32 = ReferenceModel::load(&path, Precision::F32).expect("load f32");
+    let tokens: Vec<u32> = r32
+        .tokenizer()
+        .expect("tokenizer")
+        .encode(text, true, false)
+        .expect("tokenize")
+        .into_iter()
+        .take(32)
+        .collect();
+    let model = Model::load(&path).expect("engine loads");
+    let be = CpuBackend::new(None, Some(2)).expect("backend");
+    let eng = Engine::new(&model, &be).expect("engine");
+    let mut s = Session::new(&eng, 64).expect("session");
+    s.set_logits_all(true);
+    let mut rec = TapRecorder::new();
+    s.forward(&tokens, Some(&mut rec)).expect("engine forward");
+    let eng_taps: Vec<Tap> = rec
+        .taps
+        .into_iter()
+        .map(|t| Tap::new(t.name, t.shape, t.data))
+        .collect();
+    let rows = |taps: &[Tap], name: &str| -> Option<Vec<Vec<usize>>> {
+        let t = taps.iter().find(|t| t.name == name)?;
+        Some(
+            t.data
+                .chunks(t.shape[1])
+                .map(|r| {
+                    r.iter()
+                        .filter(|&&v| v >= 0.0)
+                        .map(|&v| v as usize)
+                        .collect()
+                })
+                .collect(),
+        )
+    };
+    let mut forced = ForcedSelections::new();
+    let mut ref_taps = Vec::new();
+    for _ in 0..8 {
+        ref_taps.clear();
+        let logits_of = r32
+            .forward_hidden_selected(&tokens, &Default::default(), &forced, &mut |n, sh, d| {
+                ref_taps.push(Tap::new(n, sh.to_vec(), d.to_vec()))
+            })
+            .expect("reference forward");
+        let normed = logits_of;
+        let logits = r32.logits_of(&normed).expect("head");
+        ref_taps.push(Tap::new(
+            "logits",
+            vec![tokens.len(), r32.vocab_size()],
+            logits,
+        ));
+        // The first full layer whose selection still differs: follow the engine there.
+        let mut changed = false;
+        for layer in 0..4 {
+            let name = format!("blk.{layer}.indexer_top_k");
+            let (Some(e), Some(r)) = (rows(&eng_taps, &name), rows(&ref_taps, &name)) else {
+                continue;
+            };
+            for (q, (es, rs)) in e.iter().zip(&r).enumerate() {
+                if es != rs {
+                    eprintln!("{name} query {q}: engine {es:?}, reference {rs:?}");
+                    forced.insert((layer, q), es.clone());
+                    changed = true;
+                }
+            }
+            if changed {
+                break;
+            }
+        }
+        if !changed {
+            break;
+        }
+    }
+    eprintln!("forced selections: {:?}", forced.keys().collect::<Vec<_>>());
+    let ctx = CaseContext::new("q4_k", "cpu-avx2").expect("context");
+    let cmp =
+        harness::compare::compare_taps(&eng_taps, &ref_taps, &TolerancePolicy::default(), &ctx);
+    let first = cmp.first_divergence.as_ref().map(|d| d.finding.to_string());
+    eprintln!("first divergence after following the engine's selection: {first:?}");
+    assert!(
+        !forced.is_empty(),
+        "verify's text has a near-tie flip at blk.0 query 23"
+    );
+    assert!(
+        first
+            .as_deref()
+            .is_none_or(|f| !f.contains("indexer_top_k")),
+        "{first:?}"
+    );
+}

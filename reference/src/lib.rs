@@ -141,6 +141,12 @@ impl Routing {
 /// experts to use, in rank order.
 pub type ForcedRoutes = std::collections::BTreeMap<(usize, usize), Vec<usize>>;
 
+/// Forced lightning-indexer selections for [`ReferenceModel::forward_hidden_selected`]:
+/// `(full layer, query)` → the key positions that query attends to (any order; each at most the
+/// query's position, `min(top_k, query + 1)` distinct ones). Shared layers after that full layer
+/// reuse the forced selection, as they reuse a computed one.
+pub type ForcedSelections = std::collections::BTreeMap<(usize, usize), Vec<usize>>;
+
 /// When the weights are read and dequantized.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Residency {
@@ -467,6 +473,31 @@ impl ReferenceModel {
             _ if forced.is_empty() => self.forward_hidden(tokens, taps),
             _ => Err(ReferenceError::Unsupported(format!(
                 "forced expert routes for {}, which has no MoE layers",
+                self.architecture
+            ))),
+        }
+    }
+
+    /// [`Self::forward_hidden_routed`] with, besides forced expert routes, the lightning
+    /// indexer's selection of some `(layer, query)`s taken from `selections` instead of from its
+    /// scores: the reference following the engine where the two picked different cells on a
+    /// near-tie (`glm-dsa`). The `indexer_top_k` tap shows the forced selection. An error for a
+    /// model without an indexer, unless `selections` is empty.
+    pub fn forward_hidden_selected(
+        &self,
+        tokens: &[u32],
+        routes: &ForcedRoutes,
+        selections: &ForcedSelections,
+        taps: &mut TapObserver<'_>,
+    ) -> Result<Vec<f32>, ReferenceError> {
+        match &self.arch {
+            Arch::Deepseek2(m) => {
+                self.check_tokens(tokens)?;
+                to_host(&m.hidden_forced(tokens, taps, routes, selections)?)
+            }
+            _ if selections.is_empty() => self.forward_hidden_routed(tokens, routes, taps),
+            _ => Err(ReferenceError::Unsupported(format!(
+                "forced indexer selections for {}, which has no lightning indexer",
                 self.architecture
             ))),
         }

@@ -80,7 +80,7 @@ struct Layer {
     indexer: Option<Indexer>,
 }
 
-use crate::{ForcedRoutes as Forced, Gating, Routing};
+use crate::{ForcedRoutes as Forced, ForcedSelections, Gating, Routing};
 
 pub(crate) struct Deepseek2 {
     /// The streaming model's file (routed experts are read one by one from it).
@@ -376,6 +376,23 @@ impl Deepseek2 {
     /// [`Self::hidden`] with the experts of some `(layer, token)`s chosen by `forced` instead
     /// of by the router (their weights are still the router's probabilities of those experts).
     pub fn hidden_routed(&self, tokens: &[u32], taps: Taps<'_>, forced: &Forced) -> Result<Tensor> {
+        self.hidden_forced(tokens, taps, forced, &ForcedSelections::new())
+    }
+
+    /// [`Self::hidden_routed`] with the indexer's selection of some `(layer, query)`s forced
+    /// (see [`crate::ReferenceModel::forward_hidden_selected`]).
+    pub fn hidden_forced(
+        &self,
+        tokens: &[u32],
+        taps: Taps<'_>,
+        forced: &Forced,
+        selections: &ForcedSelections,
+    ) -> Result<Tensor> {
+        if self.dsa.is_none() && !selections.is_empty() {
+            return Err(ReferenceError::Unsupported(
+                "forced indexer selections for a model without a lightning indexer".to_string(),
+            ));
+        }
         let n = tokens.len();
         let (h, nope, rd, vd) = (self.n_head, self.nope, self.rope_dim, self.v_dim);
         let mut x = self.vocab.embed(tokens)?;
@@ -442,7 +459,7 @@ impl Deepseek2 {
                             "glm-dsa full layer {i} without its indexer or query latent"
                         )));
                     };
-                    let selected = dsa.select(ix, &a_in, qr, i, taps)?;
+                    let selected = dsa.select(ix, &a_in, qr, i, selections, taps)?;
                     sparse = Some(Dsa::mask(&selected, x.dtype())?);
                 }
             }

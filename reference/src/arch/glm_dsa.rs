@@ -37,6 +37,7 @@ use candle_core::{DType, Device, Tensor, D};
 use super::Loader;
 use crate::error::ReferenceError;
 use crate::ops::{linear, tap, Result, Rope, RopeLayout, Taps, Weight};
+use crate::ForcedSelections;
 
 /// The indexer's configuration, shared by every layer.
 pub(crate) struct Dsa {
@@ -161,13 +162,14 @@ impl Dsa {
 
     /// The indexer of layer `i` on the attention input `x` `[n, n_embd]` and the normed query
     /// latent `q_latent` `[n, q_lora_rank]`: each query's selected positions (ascending), and
-    /// the tap `blk.{i}.indexer_top_k`.
+    /// the tap `blk.{i}.indexer_top_k`. A query of `forced` takes its given positions instead.
     pub fn select(
         &self,
         ix: &Indexer,
         x: &Tensor,
         q_latent: &Tensor,
         i: usize,
+        forced: &ForcedSelections,
         taps: Taps<'_>,
     ) -> Result<Vec<Vec<usize>>> {
         let n = x.dim(0)?;
@@ -204,6 +206,21 @@ impl Dsa {
         }
         let mut selected = Vec::with_capacity(n);
         for (t, row) in scores.iter().enumerate() {
+            if let Some(f) = forced.get(&(i, t)) {
+                let mut f = f.clone();
+                f.sort_unstable();
+                f.dedup();
+                if f.len() != self.top_k.min(t + 1) || f.iter().any(|&p| p > t) {
+                    return Err(ReferenceError::Unsupported(format!(
+                        "forced selection of layer {i}, query {t}: expected {} distinct \
+                         positions at most {t}, found {:?}",
+                        self.top_k.min(t + 1),
+                        forced.get(&(i, t))
+                    )));
+                }
+                selected.push(f);
+                continue;
+            }
             let mut cand: Vec<usize> = (0..=t).collect();
             // Highest score first, ties to the earlier position.
             cand.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
