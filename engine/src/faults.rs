@@ -95,10 +95,26 @@ pub enum Fault {
     /// `attn_q_b` (or MLA `attn_q`) rows of rank r+1 (`tp/plan.rs`; first seen at `blk.0.q` of a
     /// deepseek2 TP case, gathered from the ranks).
     TpMlaShardOrder,
+    /// The lightning indexer's top-k taken over the wrong axis: each query ranks the scores of
+    /// its column (every query's score for one cell) instead of its row, as a kernel reading
+    /// the `[query, cell]` scores transposed would (`model/forward.rs`, `indexer_select`; only
+    /// where the scores are square, a prefill from an empty cache). First seen at
+    /// `blk.0.indexer_top_k` of a glm-dsa case.
+    IndexerTopKWrongAxis,
+    /// A full indexer layer after the first reuses the previous full layer's selection instead
+    /// of computing its own, as a shared layer does (`model/forward.rs`, `mla_attention`; its
+    /// `indexer_top_k` tap shows the selection it used). First seen at `blk.2.indexer_top_k` of
+    /// the glm-dsa fixture (layers 0 and 2 full).
+    IndexerFullLayerReuses,
+    /// The indexer's `attn_q_b` loaded with its two halves of heads swapped, as a loader placing
+    /// the weight's shards (or dequantized blocks) in the wrong order would — GLM-5's original
+    /// deployment failure class (`model/weights.rs`, `Weight::bytes`). First seen at
+    /// `blk.0.indexer_top_k`.
+    IndexerWeightsShardOrder,
 }
 
 impl Fault {
-    pub const ALL: [Fault; 24] = [
+    pub const ALL: [Fault; 27] = [
         Fault::RopePositionOffByOne,
         Fault::SkipResidualAdd,
         Fault::SlidingWindowOffByOne,
@@ -123,6 +139,9 @@ impl Fault {
         Fault::DecodeLateKvOffByOne,
         Fault::MoeWeightsSwapped,
         Fault::TpMlaShardOrder,
+        Fault::IndexerTopKWrongAxis,
+        Fault::IndexerFullLayerReuses,
+        Fault::IndexerWeightsShardOrder,
     ];
 
     pub fn name(self) -> &'static str {
@@ -151,6 +170,9 @@ impl Fault {
             Fault::DecodeLateKvOffByOne => "decode-late-kv-off-by-one",
             Fault::MoeWeightsSwapped => "moe-weights-swapped",
             Fault::TpMlaShardOrder => "tp-mla-shard-order",
+            Fault::IndexerTopKWrongAxis => "indexer-top-k-wrong-axis",
+            Fault::IndexerFullLayerReuses => "indexer-full-layer-reuses",
+            Fault::IndexerWeightsShardOrder => "indexer-weights-shard-order",
         }
     }
 

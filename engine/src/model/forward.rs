@@ -750,6 +750,13 @@ fn indexer_select<B: Backend>(
     be.kv_read_k(ikv, n_cells, &mut keys)?;
     let mut scores = be.alloc(n * n_cells)?;
     be.indexer_scores(&iq, &keys, &wts, nh, hd, n_cells, &mut scores)?;
+    if faults::is_active(Fault::IndexerTopKWrongAxis) && n == n_cells {
+        // Each query ranks its column instead of its row.
+        let mut t = be.alloc(n * n_cells)?;
+        let (src, dst) = (Strided::new(1, n_cells, 0), Strided::new(n_cells, 1, 0));
+        be.copy_strided(&scores, src, &mut t, dst, n, n_cells, 1)?;
+        scores = t;
+    }
     let meta = attn_meta(c, cache, il, step, c.n_head);
     let mut sel = be.upload_ids(&vec![SELECTED_NONE; n * top_k])?;
     be.select_top_k(&scores, &meta, top_k, &mut sel)?;
@@ -944,6 +951,19 @@ fn mla_attention<B: Backend>(
     // full layer's selection (the cells are the same in every layer).
     let selection = match (&c.dsa, sparse.indexer) {
         (None, _) => None,
+        (Some(_), Some(_))
+            if c.is_indexer_full(il)
+                && sparse.selection.is_some()
+                && faults::is_active(Fault::IndexerFullLayerReuses) =>
+        {
+            // A full layer that reuses the last selection (its tap shows which).
+            if taps.enabled() {
+                if let (Some(sel), Some(d)) = (sparse.selection.as_ref(), &c.dsa) {
+                    tap_selection(be, taps, cache, il, sel, n, d.top_k)?;
+                }
+            }
+            sparse.selection.as_ref()
+        }
         (Some(_), Some(ix)) if c.is_indexer_full(il) => {
             let qa = qa.as_ref().ok_or(missing(
                 "indexer queries: the MLA q latent (q_lora_rank > 0)",

@@ -201,6 +201,25 @@ const FAULTS: &[Expectation] = &[
         case: "deepseek2/q4_k/*/tp2-shm/off",
         expect: "blk.0.q",
     },
+    // glm-dsa (layers 0 and 2 full indexers, top-k 8 of verify's 32 tokens): the first full
+    // layer's selection is the first tap computed from the transposed scores.
+    Expectation {
+        fault: Fault::IndexerTopKWrongAxis,
+        case: "glm-dsa/q4_k/*/tp1-shm/off",
+        expect: "blk.0.indexer_top_k",
+    },
+    // Layer 2 (full) reuses layer 0's selection: its tap shows layer 0's positions.
+    Expectation {
+        fault: Fault::IndexerFullLayerReuses,
+        case: "glm-dsa/q4_k/*/tp1-shm/off",
+        expect: "blk.2.indexer_top_k",
+    },
+    // The indexer's query heads half-swapped at load: layer 0's selection is the first tap.
+    Expectation {
+        fault: Fault::IndexerWeightsShardOrder,
+        case: "glm-dsa/q4_k/*/tp1-shm/off",
+        expect: "blk.0.indexer_top_k",
+    },
 ];
 
 struct Outcome {
