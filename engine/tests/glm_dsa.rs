@@ -82,7 +82,7 @@ struct Builder<'a> {
 impl Builder<'_> {
     fn key(&mut self, k: &str, v: V) {
         let full = format!("glm-dsa.{k}");
-        if !self.spec.skip_keys.iter().any(|s| *s == full) {
+        if !self.spec.skip_keys.contains(&full) {
             self.w.add_metadata(full, v);
         }
     }

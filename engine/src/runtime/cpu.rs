@@ -1185,11 +1185,11 @@ impl CpuBackend {
     /// [`Backend::attention`] or, with a selection, [`Backend::attention_selected`].
     fn attention_impl(
         &self,
-        q: &Vec<f32>,
+        q: &[f32],
         kv: KvSource<'_, Self>,
         m: &AttnMeta<'_>,
         selected: Option<(&[u32], usize)>,
-        out: &mut Vec<f32>,
+        out: &mut [f32],
     ) -> Result<(), RuntimeError> {
         let n = m.queries.len();
         let n_cells = m.cells.len();

@@ -50,8 +50,11 @@ pub(crate) struct Dsa {
     eps: f64,
     /// A layer whose scores the next forward keeps, and what it kept
     /// ([`Dsa::record`], [`Dsa::take_recorded`]).
-    recorded: Mutex<(Option<usize>, Option<Vec<Vec<f64>>>)>,
+    recorded: Mutex<Recorded>,
 }
+
+/// The layer whose scores to keep, and the scores kept (`[query][position ≤ query]`).
+type Recorded = (Option<usize>, Option<Vec<Vec<f64>>>);
 
 /// One layer's indexer weights.
 pub(crate) struct Indexer {
