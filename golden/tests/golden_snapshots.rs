@@ -70,6 +70,7 @@ fixture_tests! {
     deepseek2_q4_k => "deepseek2-q4_k",
     deepseek2_lite_q8_0 => "deepseek2-lite-q8_0",
     glm_dsa_q4_k => "glm-dsa-q4_k",
+    glm_dsa_q8_0 => "glm-dsa-q8_0",
 }
 
 #[test]
