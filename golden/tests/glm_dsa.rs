@@ -61,20 +61,29 @@ fn sparse_attention_changes_the_result() {
     }
 }
 
-/// Where the engine's top-k selection differs from the reference's (verify's teacher-forced
-/// text, 32 tokens, the first full indexer layer, whose input both sides compute alike), the
-/// two cells swapped must be a near-tie: their f32 reference scores within the Q8 activation
-/// rounding the engine's products see (the exact-numerics reference, which rounds as the engine
-/// does, must rank them the engine's way or tie them as closely). Prints every flip with both
-/// sides' scores: the data a selection-aware comparison needs.
+/// Where the engine's top-k selection differs from the reference's (verify's text, the 32
+/// teacher-forced tokens and the 340 of the path cases, the first full indexer layer, whose
+/// input both sides compute alike), the two cells swapped must be a near-tie: their f32
+/// reference scores within the Q8 activation rounding the engine's products see, and the
+/// exact-numerics reference (which rounds as the engine does) ranking the engine's cell at least
+/// as high. Prints every flip with both sides' scores: the data a selection-aware comparison
+/// needs.
 #[test]
 fn indexer_flips_against_the_engine_are_near_ties() {
+    for name in ["glm-dsa-q8_0", "glm-dsa-q4_k"] {
+        for n in [32, 340] {
+            check_flips(name, n);
+        }
+    }
+}
+
+fn check_flips(name: &str, n: usize) {
     use engine::exec::{Engine, Session};
     use engine::model::Model;
     use engine::runtime::CpuBackend;
     use engine::taps::TapRecorder;
 
-    let spec = fixtures::by_name("glm-dsa-q4_k").expect("glm-dsa fixture");
+    let spec = fixtures::by_name(name).expect("glm-dsa fixture");
     let dir = tempfile::tempdir().expect("temp dir");
     let path = fixtures::write(&spec, dir.path()).expect("write fixture");
     let text = include_str!("../data/pride_and_prejudice_ch1.txt");
@@ -86,7 +95,7 @@ fn indexer_flips_against_the_engine_are_near_ties() {
         .encode(text, true, false)
         .expect("tokenize")
         .into_iter()
-        .take(32)
+        .take(n)
         .collect();
     let top_k = 8;
     let selection = |taps: &[(String, Vec<f32>)]| -> Vec<Vec<i64>> {
@@ -100,13 +109,15 @@ fn indexer_flips_against_the_engine_are_near_ties() {
     };
     let mut ref_taps = Vec::new();
     r32.forward(&tokens, &mut |n, _, d| {
-        ref_taps.push((n.to_string(), d.to_vec()))
+        if n == "blk.0.indexer_top_k" {
+            ref_taps.push((n.to_string(), d.to_vec()))
+        }
     })
     .expect("reference forward");
     let model = Model::load(&path).expect("engine loads");
     let be = CpuBackend::new(None, Some(2)).expect("backend");
     let eng = Engine::new(&model, &be).expect("engine");
-    let mut s = Session::new(&eng, 64).expect("session");
+    let mut s = Session::new(&eng, tokens.len()).expect("session");
     s.set_logits_all(true);
     let mut rec = TapRecorder::new();
     s.forward(&tokens, Some(&mut rec)).expect("engine forward");
@@ -126,18 +137,22 @@ fn indexer_flips_against_the_engine_are_near_ties() {
         let scale = s32[q].iter().fold(0f64, |m, v| m.max(v.abs()));
         for (&pe, &pr) in only_e.iter().zip(&only_r) {
             let (pe, pr) = (pe as usize, pr as usize);
+            let gap = (s32[q][pe] - s32[q][pr]).abs() / scale;
             eprintln!(
-                "blk.0 query {q}: engine keeps position {pe}, reference (f32) keeps {pr}; \
-                 f32 scores {pe}: {:.6} {pr}: {:.6}; exact-numerics scores {pe}: {:.6} {pr}: {:.6}",
+                "{name} ({n} tokens) blk.0 query {q}: engine keeps position {pe}, reference \
+                 (f32) keeps {pr}; f32 scores {pe}: {:.6} {pr}: {:.6} (gap {gap:.2e} of the row's \
+                 largest {scale:.4}); exact-numerics scores {pe}: {:.6} {pr}: {:.6}",
                 s32[q][pe], s32[q][pr], sx[q][pe], sx[q][pr]
             );
-            // Near-tie: within 1% of the row's largest score (Q8 activation rounding moves a
-            // product by ~0.5% of its scale: amax/127 per value, crest factor ≈ 4 — see
-            // harness/src/tolerance.rs); a wrong selection is off by whole scores.
-            let gap = (s32[q][pe] - s32[q][pr]).abs() / scale;
-            assert!(gap < 1e-2, "query {q}: positions {pe} vs {pr} gap {gap:e}");
-            // The reference rounding as the engine does ranks the engine's cell at least as high
-            // (or within f32 rounding of a tie).
+            // Near-tie: within 3% of the row's largest score. A score passes through three
+            // products whose activations the engine rounds to 8 bits (the q latent into
+            // `attn_q_b`, `x` into `attn_k` and into `proj`), each moving it by up to ~1% of its
+            // scale (amax/254 per value at crest factor ≈ 4, harness/src/tolerance.rs); the
+            // largest gap measured on verify's 340 tokens is 1.7e-2. A wrong selection is off
+            // by whole scores, and the exact-numerics check below is the sharp one.
+            assert!(gap < 3e-2, "query {q}: positions {pe} vs {pr} gap {gap:e}");
+            // The reference rounding as the engine does ranks the engine's cell at least as
+            // high (or within f32 rounding of a tie).
             assert!(
                 sx[q][pe] >= sx[q][pr] - 1e-6 * scale,
                 "query {q}: exact numerics prefer {pr} over the engine's {pe}"
@@ -145,7 +160,7 @@ fn indexer_flips_against_the_engine_are_near_ties() {
         }
     }
     eprintln!(
-        "blk.0: {flips} of {} queries select differently",
+        "{name} ({n} tokens) blk.0: {flips} of {} queries select differently",
         tokens.len()
     );
 }
