@@ -119,7 +119,28 @@ pub enum Fault {
 }
 
 impl Fault {
-    pub const ALL: [Fault; 28] = [
+    pub const ALL: [Fault; 31] = [
+    /// The lightning indexer's top-k taken over the wrong axis: each query ranks the scores of
+    /// its column (every query's score for one cell) instead of its row, as a kernel reading
+    /// the `[query, cell]` scores transposed would (`model/forward.rs`, `indexer_select`; only
+    /// where the scores are square, a prefill from an empty cache). First seen at
+    /// `blk.0.indexer_top_k` of a glm-dsa case.
+    IndexerTopKWrongAxis,
+    /// A full indexer layer after the first reuses the previous full layer's selection instead
+    /// of computing its own, as a shared layer does (`model/forward.rs`, `mla_attention`; its
+    /// `indexer_top_k` tap shows the selection it used). First seen at `blk.2.attn` of the
+    /// glm-dsa fixture (layers 0 and 2 full; the selection tap of layer 2, after the MoE layer
+    /// 1, is within the route-flip allowance).
+    IndexerFullLayerReuses,
+    /// The indexer's `attn_q_b` loaded with its two halves of heads swapped, as a loader placing
+    /// the weight's shards (or dequantized blocks) in the wrong order would — GLM-5's original
+    /// deployment failure class (`model/weights.rs`, `Weight::bytes`). First seen at
+    /// `blk.0.indexer_top_k`.
+    IndexerWeightsShardOrder,
+}
+
+impl Fault {
+    pub const ALL: [Fault; 31] = [
         Fault::RopePositionOffByOne,
         Fault::SkipResidualAdd,
         Fault::SlidingWindowOffByOne,
@@ -148,6 +169,9 @@ impl Fault {
         Fault::CudaCausalMaskOffByOne,
         Fault::CudaGemmMissingBarrier,
         Fault::CudaRopeArgsSwapped,
+        Fault::IndexerTopKWrongAxis,
+        Fault::IndexerFullLayerReuses,
+        Fault::IndexerWeightsShardOrder,
     ];
 
     pub fn name(self) -> &'static str {
@@ -180,6 +204,9 @@ impl Fault {
             Fault::CudaCausalMaskOffByOne => "cuda-causal-mask-off-by-one",
             Fault::CudaGemmMissingBarrier => "cuda-gemm-missing-barrier",
             Fault::CudaRopeArgsSwapped => "cuda-rope-args-swapped",
+            Fault::IndexerTopKWrongAxis => "indexer-top-k-wrong-axis",
+            Fault::IndexerFullLayerReuses => "indexer-full-layer-reuses",
+            Fault::IndexerWeightsShardOrder => "indexer-weights-shard-order",
         }
     }
 

@@ -19,6 +19,8 @@ const PINNED: &[(&str, &str)] = &[
     ("gemma3-q4_k_m", "e7fb88292c292b30e69f930c44ffdd128899daf4715ad86247e858963988f0b1"), // 7184576 bytes
     ("deepseek2-q4_k", "7b109ee857c8154f74798c277d8d1b3ac380695b16dcb122a588d5ff49b7219f"), // 5050688 bytes
     ("deepseek2-lite-q8_0", "044838c9216edb365aab4856cfa2d3ced809a8ef5b4570e709b17b92ef774ad6"), // 1021984 bytes
+    ("glm-dsa-q8_0", "30c17b3b495b03ae6244c0b30855b4f06466aac670abb8209866d9b1eac36b2c"), // 14547680 bytes
+    ("glm-dsa-q4_k", "6f263f7fe32389b231679057ca2e14caee0e2dcc31e2c5fdfcfee4a6e25a0303"), // 8073824 bytes
 ];
 
 fn sha256_hex(bytes: &[u8]) -> String {
@@ -146,6 +148,18 @@ fn shapes_match_the_brief() {
                 assert!(d.n_dense_lead >= 1 && d.n_dense_lead < d.n_layer);
                 assert!((4..=8).contains(&d.n_expert) && d.n_expert_used == 2);
                 assert_eq!(d.n_expert_shared, 1);
+                if let Some(x) = d.dsa {
+                    // The sparse path must bind within verify's 32 teacher-forced tokens, with
+                    // a full and a shared indexer layer among both the dense prefix and the MoE
+                    // layers, and NextN blocks kept after the trunk.
+                    assert!(x.top_k < 32, "{}: top-k {}", spec.name, x.top_k);
+                    assert_eq!(x.full.len(), d.n_layer);
+                    let dense = &x.full[..d.n_dense_lead];
+                    let moe = &x.full[d.n_dense_lead..];
+                    assert!(x.full[0] && moe.contains(&true) && x.full.contains(&false));
+                    assert!(!dense.is_empty() && moe.contains(&false));
+                    assert!(x.n_nextn >= 1 && x.head_dim > d.qk_rope);
+                }
             }
         }
     }

@@ -69,6 +69,8 @@ fixture_tests! {
     gemma3_q4_k_m => "gemma3-q4_k_m",
     deepseek2_q4_k => "deepseek2-q4_k",
     deepseek2_lite_q8_0 => "deepseek2-lite-q8_0",
+    glm_dsa_q4_k => "glm-dsa-q4_k",
+    glm_dsa_q8_0 => "glm-dsa-q8_0",
 }
 
 #[test]

@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use golden::fixtures::{self, Dims, FixtureSpec};
+use golden::fixtures::{self, Dims, FixtureSpec, MlaMoeDims};
 use golden::vocab;
 use reference::{Precision, ReferenceModel};
 
@@ -56,6 +56,11 @@ fn expected_taps(spec: &FixtureSpec, n: usize) -> Vec<(String, Vec<usize>)> {
         push("q", q);
         push("k", k);
         push("v", v);
+        if let Dims::MlaMoe(MlaMoeDims { dsa: Some(x), .. }) = spec.dims {
+            if x.full[i] {
+                push("indexer_top_k", x.top_k);
+            }
+        }
         push("attn", att);
         push("attn_out", n_embd);
         push("ffn_norm", n_embd);

@@ -31,6 +31,8 @@ pub enum TapKind {
     Q,
     K,
     V,
+    /// `glm-dsa`: a full indexer layer's selection, as positions (docs/TAPS.md).
+    IndexerTopK,
     Attn,
     AttnOut,
     FfnNorm,
@@ -42,12 +44,13 @@ pub enum TapKind {
 }
 
 impl TapKind {
-    pub const ALL: [TapKind; 13] = [
+    pub const ALL: [TapKind; 14] = [
         TapKind::Embed,
         TapKind::AttnNorm,
         TapKind::Q,
         TapKind::K,
         TapKind::V,
+        TapKind::IndexerTopK,
         TapKind::Attn,
         TapKind::AttnOut,
         TapKind::FfnNorm,
@@ -66,6 +69,7 @@ impl TapKind {
             TapKind::Q => "q",
             TapKind::K => "k",
             TapKind::V => "v",
+            TapKind::IndexerTopK => "indexer_top_k",
             TapKind::Attn => "attn",
             TapKind::AttnOut => "attn_out",
             TapKind::FfnNorm => "ffn_norm",

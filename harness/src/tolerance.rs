@@ -267,6 +267,8 @@ pub fn stages(kind: TapKind, layer: Option<usize>, n_layers: usize) -> usize {
         TapKind::Embed => 0,
         TapKind::AttnNorm => base,
         TapKind::Q | TapKind::K | TapKind::V => base + 1,
+        // The indexer's scores see its q's and k's errors, as attention's scores do.
+        TapKind::IndexerTopK => base + 2,
         TapKind::Attn => base + 3,
         TapKind::AttnOut | TapKind::FfnNorm => base + 4,
         TapKind::Router => base + 5,
@@ -329,6 +331,9 @@ impl TolerancePolicy {
         let raw = match kind {
             TapKind::Embed | TapKind::AttnNorm | TapKind::OutputNorm => norm,
             TapKind::Q | TapKind::K | TapKind::V => qkv,
+            // A selection: equal (NMSE 0) unless a near-tie flipped; the scores' bound, as
+            // attention's, since they see q's and k's errors.
+            TapKind::IndexerTopK => attn,
             TapKind::Attn => attn,
             TapKind::AttnOut => attn_out,
             TapKind::FfnNorm => ffn_norm,

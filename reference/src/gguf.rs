@@ -706,6 +706,28 @@ impl GgufFile {
         }
     }
 
+    /// An array of booleans or integers as flags (non-zero is true).
+    pub fn get_flags(&self, key: &str) -> Result<Vec<bool>, ReferenceError> {
+        let bad = |v: &Value| ReferenceError::BadKey {
+            key: key.to_string(),
+            expected: "an array of booleans or integers",
+            found: format!("{v:?}"),
+        };
+        match self.metadata(key) {
+            None => Err(ReferenceError::MissingKey {
+                key: key.to_string(),
+            }),
+            Some(Value::Array(items)) => items
+                .iter()
+                .map(|v| match v {
+                    Value::Bool(b) => Ok(*b),
+                    v => as_u64(v).map(|x| x != 0).ok_or_else(|| bad(v)),
+                })
+                .collect(),
+            Some(v) => Err(bad(v)),
+        }
+    }
+
     pub fn get_string(&self, key: &str) -> Result<&str, ReferenceError> {
         match self.metadata(key) {
             None => Err(ReferenceError::MissingKey {

@@ -141,6 +141,12 @@ impl Routing {
 /// experts to use, in rank order.
 pub type ForcedRoutes = std::collections::BTreeMap<(usize, usize), Vec<usize>>;
 
+/// Forced lightning-indexer selections for [`ReferenceModel::forward_hidden_selected`]:
+/// `(full layer, query)` → the key positions that query attends to (any order; each at most the
+/// query's position, `min(top_k, query + 1)` distinct ones). Shared layers after that full layer
+/// reuse the forced selection, as they reuse a computed one.
+pub type ForcedSelections = std::collections::BTreeMap<(usize, usize), Vec<usize>>;
+
 /// When the weights are read and dequantized.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Residency {
@@ -294,7 +300,10 @@ impl ReferenceModel {
             Err(e) => Err(e.to_string()),
         };
         let footprint = Footprint::of(&file);
-        if !matches!(architecture.as_str(), "llama" | "gemma3" | "deepseek2") {
+        if !matches!(
+            architecture.as_str(),
+            "llama" | "gemma3" | "deepseek2" | "glm-dsa"
+        ) {
             return Err(ReferenceError::UnsupportedArchitecture(architecture));
         }
         let streaming = residency == Residency::Streaming;
@@ -464,6 +473,53 @@ impl ReferenceModel {
             _ if forced.is_empty() => self.forward_hidden(tokens, taps),
             _ => Err(ReferenceError::Unsupported(format!(
                 "forced expert routes for {}, which has no MoE layers",
+                self.architecture
+            ))),
+        }
+    }
+
+    /// [`Self::forward_hidden_routed`] with, besides forced expert routes, the lightning
+    /// indexer's selection of some `(layer, query)`s taken from `selections` instead of from its
+    /// scores: the reference following the engine where the two picked different cells on a
+    /// near-tie (`glm-dsa`). The `indexer_top_k` tap shows the forced selection. An error for a
+    /// model without an indexer, unless `selections` is empty.
+    pub fn forward_hidden_selected(
+        &self,
+        tokens: &[u32],
+        routes: &ForcedRoutes,
+        selections: &ForcedSelections,
+        taps: &mut TapObserver<'_>,
+    ) -> Result<Vec<f32>, ReferenceError> {
+        match &self.arch {
+            Arch::Deepseek2(m) => {
+                self.check_tokens(tokens)?;
+                to_host(&m.hidden_forced(tokens, taps, routes, selections)?)
+            }
+            _ if selections.is_empty() => self.forward_hidden_routed(tokens, routes, taps),
+            _ => Err(ReferenceError::Unsupported(format!(
+                "forced indexer selections for {}, which has no lightning indexer",
+                self.architecture
+            ))),
+        }
+    }
+
+    /// The lightning indexer's scores of full layer `layer` (`glm-dsa`) on `tokens`,
+    /// `[query][key position]` in f64 for the causally visible positions (`0..=query`): what
+    /// its top-k selection ranks. For explaining a selection flip between the engine and the
+    /// reference with both sides' scores. An error for a model without an indexer, or for a
+    /// shared layer.
+    pub fn indexer_scores(
+        &self,
+        tokens: &[u32],
+        layer: usize,
+    ) -> Result<Vec<Vec<f64>>, ReferenceError> {
+        match &self.arch {
+            Arch::Deepseek2(m) => {
+                self.check_tokens(tokens)?;
+                m.indexer_scores(tokens, layer)
+            }
+            _ => Err(ReferenceError::Unsupported(format!(
+                "indexer scores of {}, which has no lightning indexer",
                 self.architecture
             ))),
         }

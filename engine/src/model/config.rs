@@ -14,6 +14,52 @@ pub enum Architecture {
     Gemma3,
     /// DeepSeek-V2 style: MLA attention, MoE with shared experts, leading dense layers.
     Deepseek2,
+    /// GLM-5 (`glm-dsa`): `deepseek2`'s MLA and MoE plus DeepSeek Sparse Attention (the
+    /// lightning indexer, [`DsaConfig`]) and multi-token-prediction (NextN) layers kept in the
+    /// file.
+    GlmDsa,
+}
+
+/// DeepSeek Sparse Attention: the lightning indexer of every layer (`glm-dsa`).
+///
+/// Sources, per choice (llama.cpp `src/models/glm-dsa.cpp` and `llama-arch.cpp` at ggml-org
+/// master; the DeepSeek-V3.2 report and its `inference/model.py`; the GLM-5/5.2 `config.json`):
+/// - keys `{arch}.attention.indexer.{head_count, key_length, top_k}` and the per-layer
+///   `{arch}.attention.indexer.types` (1 full, 0 shared), llama.cpp's names;
+/// - without `indexer.types`, every layer is full when `context_length` < 1048576 (GLM-5 and
+///   5.1), and GLM-5.2's pattern otherwise (layers 0 and 1 full, then every fourth from 2),
+///   as llama.cpp's `GLM_5_2_DEFAULT_INDEXER_TYPES`;
+/// - a shared layer reuses the selection of the last full layer before it (llama.cpp
+///   `prev_top_k`; GLM-5.2 config `indexer_types`), so layer 0 must be full;
+/// - the indexer RoPE covers the first `rope.dimension_count` values of each indexer head
+///   (`[pe | nope]`, pe first: DeepSeek-V3.2 `Indexer.forward`, llama.cpp's views), in the
+///   interleaved-pair layout for `glm-dsa` (llama.cpp `LLAMA_ROPE_TYPE_NORM`; HF
+///   `modeling_glm_moe_dsa` applies interleaved RoPE to the indexer) — DeepSeek-V3.2 itself uses
+///   the half-split (NeoX) layout there;
+/// - the indexer key's LayerNorm has a weight and a bias, eps 1e-6 (DeepSeek-V3.2
+///   `LayerNorm(head_dim)` with its default eps; llama.cpp's `LLM_NORM` reads `f_norm_eps`,
+///   which `glm-dsa` never sets: the config follows the model's own definition, and
+///   `{arch}.attention.layer_norm_epsilon` overrides it when a file carries it);
+/// - head weights `proj(x) · (n_head · head_dim)^-½` (DeepSeek-V3.2: `n_heads^-½ ·
+///   softmax_scale`, `softmax_scale = head_dim^-½`; llama.cpp pre-scales the same product).
+#[derive(Clone, Debug, PartialEq)]
+pub struct DsaConfig {
+    pub n_head: usize,
+    pub head_dim: usize,
+    pub top_k: usize,
+    /// Layout of the indexer's RoPE (its `n_rot` is the model's `rope.dimension_count`).
+    pub rope_style: RopeStyle,
+    /// Per layer: whether it computes a fresh selection (full) or reuses the last full one's.
+    pub full: Vec<bool>,
+    /// LayerNorm epsilon of the indexer key.
+    pub k_norm_eps: f32,
+}
+
+impl DsaConfig {
+    /// The multiplier of the indexer's head weights: `(n_head · head_dim)^-½`.
+    pub fn weights_scale(&self) -> f32 {
+        1.0 / ((self.n_head * self.head_dim) as f32).sqrt()
+    }
 }
 
 /// MLA dimensions (DeepSeek-V2).
@@ -63,6 +109,11 @@ pub struct ModelConfig {
     pub activation: Activation,
     pub mla: Option<MlaConfig>,
     pub moe: Option<MoeConfig>,
+    /// The lightning indexer (`glm-dsa`).
+    pub dsa: Option<DsaConfig>,
+    /// Multi-token-prediction (NextN) blocks stored after the `n_layer` layers of the trunk
+    /// (`{arch}.nextn_predict_layers`); loaded and kept, not run by the forward pass.
+    pub n_nextn: usize,
 }
 
 struct Keys<'a> {
@@ -90,6 +141,48 @@ impl Keys<'_> {
     }
     fn f32_opt(&self, k: &str) -> Result<Option<f32>, ModelError> {
         Ok(self.gguf.get_f32_opt(&self.key(k))?)
+    }
+    /// `{arch}.{k}` as one flag per layer: an array of bools or integers (non-zero is true).
+    fn flags_opt(&self, k: &str, n: usize) -> Result<Option<Vec<bool>>, ModelError> {
+        use crate::gguf::MetadataValue as V;
+        let key = self.key(k);
+        let Some(v) = self.gguf.get(&key) else {
+            return Ok(None);
+        };
+        let V::Array(items) = v else {
+            return Err(ModelError::invalid(
+                key,
+                "an array of one flag per layer",
+                format!("{v:?}"),
+            ));
+        };
+        if items.len() < n {
+            return Err(ModelError::invalid(
+                key,
+                format!("at least {n} entries (one per layer)"),
+                items.len(),
+            ));
+        }
+        items[..n]
+            .iter()
+            .map(|it| match it {
+                V::Bool(b) => Ok(*b),
+                V::U8(x) => Ok(*x != 0),
+                V::I8(x) => Ok(*x != 0),
+                V::U16(x) => Ok(*x != 0),
+                V::I16(x) => Ok(*x != 0),
+                V::U32(x) => Ok(*x != 0),
+                V::I32(x) => Ok(*x != 0),
+                V::U64(x) => Ok(*x != 0),
+                V::I64(x) => Ok(*x != 0),
+                other => Err(ModelError::invalid(
+                    key.clone(),
+                    "booleans or integers (1 full, 0 shared)",
+                    format!("{other:?}"),
+                )),
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map(Some)
     }
     fn positive(&self, k: &str) -> Result<usize, ModelError> {
         let v = self.usize(k)?;
@@ -119,6 +212,7 @@ impl ModelConfig {
             n_layers,
             k_width,
             v_width,
+            index_width: self.dsa.as_ref().map_or(0, |d| d.head_dim),
         }
     }
 
@@ -130,6 +224,7 @@ impl ModelConfig {
             "llama" | "mistral" | "qwen2" => Architecture::Llama,
             "gemma3" => Architecture::Gemma3,
             "deepseek2" => Architecture::Deepseek2,
+            "glm-dsa" => Architecture::GlmDsa,
             other => {
                 return Err(ModelError::UnsupportedArchitecture {
                     found: other.to_owned(),
@@ -142,7 +237,22 @@ impl ModelConfig {
         };
 
         let n_embd = k.positive("embedding_length")?;
-        let n_layer = k.positive("block_count")?;
+        let block_count = k.positive("block_count")?;
+        // llama.cpp: `block_count` counts the NextN blocks too (`n_layer_all`); the trunk is the
+        // first `block_count - nextn_predict_layers` (`n_layer()`), the NextN blocks follow it.
+        let n_nextn = if arch == Architecture::GlmDsa {
+            k.usize_opt("nextn_predict_layers")?.unwrap_or(0)
+        } else {
+            0
+        };
+        if n_nextn >= block_count {
+            return Err(ModelError::invalid(
+                k.key("nextn_predict_layers"),
+                format!("fewer than block_count ({block_count})"),
+                n_nextn,
+            ));
+        }
+        let n_layer = block_count - n_nextn;
         let n_head = k.positive("attention.head_count")?;
         let n_ctx_train = k.usize_opt("context_length")?.unwrap_or(4096);
         let n_ff = k.usize_opt("feed_forward_length")?.unwrap_or(0);
@@ -188,6 +298,7 @@ impl ModelConfig {
 
         let mut mla = None;
         let mut moe = None;
+        let mut dsa = None;
         let n_rot;
         let style;
         let activation;
@@ -226,7 +337,8 @@ impl ModelConfig {
                     1.0 / (head_dim_k as f32).sqrt()
                 };
             }
-            Architecture::Deepseek2 => {
+            Architecture::Deepseek2 | Architecture::GlmDsa => {
+                let glm = arch == Architecture::GlmDsa;
                 style = RopeStyle::Normal;
                 activation = Activation::Silu;
                 n_rot = k.positive("rope.dimension_count")?;
@@ -244,8 +356,14 @@ impl ModelConfig {
                         head_dim_k,
                     ));
                 }
+                let q_lora_rank = if glm {
+                    // The indexer's queries come from the q latent: glm-dsa always has one.
+                    k.positive("attention.q_lora_rank")?
+                } else {
+                    k.usize_opt("attention.q_lora_rank")?.unwrap_or(0)
+                };
                 let cfg = MlaConfig {
-                    q_lora_rank: k.usize_opt("attention.q_lora_rank")?.unwrap_or(0),
+                    q_lora_rank,
                     kv_lora_rank: k.positive("attention.kv_lora_rank")?,
                     qk_nope: head_dim_k - n_rot,
                     qk_rope: n_rot,
@@ -253,8 +371,10 @@ impl ModelConfig {
                 };
                 mla = Some(cfg);
                 n_head_kv = n_head;
-                let gating = match k.usize_opt("expert_gating_func")?.unwrap_or(1) {
-                    // 0 ("none") is what older DeepSeek-V2 files imply: softmax, as llama.cpp.
+                let gating = match k.usize_opt("expert_gating_func")?.unwrap_or(0) {
+                    // 0 ("none", or absent): llama.cpp reads sigmoid for glm-dsa (GLM-4.5 on)
+                    // and softmax for older DeepSeek-V2 files.
+                    0 if glm => Gating::Sigmoid,
                     0 | 1 => Gating::Softmax,
                     2 => Gating::Sigmoid,
                     other => {
@@ -274,15 +394,29 @@ impl ModelConfig {
                         n_expert_used,
                     ));
                 }
-                let weights_scale = k.f32_opt("expert_weights_scale")?.ok_or_else(|| {
-                    ModelError::invalid(k.key("expert_weights_scale"), "a value", "nothing")
-                })?;
+                let weights_scale = match k.f32_opt("expert_weights_scale")? {
+                    Some(s) => s,
+                    // llama.cpp reads it as optional for glm-dsa and skips the scaling when it
+                    // is 0 (absent): a scale of 1.
+                    None if glm => 1.0,
+                    None => {
+                        return Err(ModelError::invalid(
+                            k.key("expert_weights_scale"),
+                            "a value",
+                            "nothing",
+                        ))
+                    }
+                };
                 moe = Some(MoeConfig {
                     n_expert,
                     n_expert_used,
                     n_expert_shared: k.usize("expert_shared_count")?,
                     n_ff_exp: k.positive("expert_feed_forward_length")?,
-                    n_dense_lead: k.usize("leading_dense_block_count")?,
+                    n_dense_lead: if glm {
+                        k.usize_opt("leading_dense_block_count")?.unwrap_or(0)
+                    } else {
+                        k.usize("leading_dense_block_count")?
+                    },
                     weights_scale,
                     weights_norm: gguf
                         .get_bool_opt(&k.key("expert_weights_norm"))?
@@ -302,6 +436,9 @@ impl ModelConfig {
                 attn_scale = mscale * mscale / (head_dim_k as f32).sqrt();
                 if let Some(y) = yarn.as_mut() {
                     y.attn_factor = 1.0 / (1.0 + 0.1 * (1.0 / freq_scale).ln());
+                }
+                if glm {
+                    dsa = Some(dsa_config(&k, n_layer, n_ctx_train, n_rot)?);
                 }
             }
         }
@@ -377,6 +514,8 @@ impl ModelConfig {
             activation,
             mla,
             moe,
+            dsa,
+            n_nextn,
         })
     }
 
@@ -396,10 +535,82 @@ impl ModelConfig {
         }
     }
 
+    /// Whether layer `il` computes a fresh indexer selection (`glm-dsa` full layers).
+    pub fn is_indexer_full(&self, il: usize) -> bool {
+        self.dsa
+            .as_ref()
+            .is_some_and(|d| d.full.get(il).copied().unwrap_or(false))
+    }
+
     /// Whether layer `il` has a MoE FFN.
     pub fn is_moe_layer(&self, il: usize) -> bool {
         self.moe.is_some_and(|m| il >= m.n_dense_lead)
     }
+}
+
+/// The indexer's configuration (see [`DsaConfig`] for where each choice comes from).
+fn dsa_config(
+    k: &Keys<'_>,
+    n_layer: usize,
+    n_ctx_train: usize,
+    n_rot: usize,
+) -> Result<DsaConfig, ModelError> {
+    let n_head = k.positive("attention.indexer.head_count")?;
+    let head_dim = k.positive("attention.indexer.key_length")?;
+    let top_k = k.positive("attention.indexer.top_k")?;
+    for (key, v) in [
+        ("attention.indexer.head_count", n_head),
+        ("attention.indexer.key_length", head_dim),
+        ("attention.indexer.top_k", top_k),
+    ] {
+        if v > MAX_DIM {
+            return Err(ModelError::invalid(
+                k.key(key),
+                format!("at most {MAX_DIM}"),
+                v,
+            ));
+        }
+    }
+    if head_dim <= n_rot {
+        return Err(ModelError::invalid(
+            k.key("attention.indexer.key_length"),
+            format!("more than rope.dimension_count ({n_rot}), the indexer's roped part"),
+            head_dim,
+        ));
+    }
+    let full = match k.flags_opt("attention.indexer.types", n_layer)? {
+        Some(f) => f,
+        // GLM-5 / 5.1 (trained context below 1M): a full indexer on every layer.
+        None if n_ctx_train < 1_048_576 => vec![true; n_layer],
+        // GLM-5.2's default pattern (llama.cpp `GLM_5_2_DEFAULT_INDEXER_TYPES`, 78 entries;
+        // layers past them zero, i.e. shared).
+        None => (0..n_layer)
+            .map(|i| i < 78 && (i < 2 || (i - 2) % 4 == 0))
+            .collect(),
+    };
+    if full.first() == Some(&false) {
+        return Err(ModelError::invalid(
+            k.key("attention.indexer.types"),
+            "layer 0 full (a shared layer reuses the last full layer's selection)",
+            "shared",
+        ));
+    }
+    let k_norm_eps = k.f32_opt("attention.layer_norm_epsilon")?.unwrap_or(1e-6);
+    if !(k_norm_eps.is_finite() && k_norm_eps >= 0.0) {
+        return Err(ModelError::invalid(
+            k.key("attention.layer_norm_epsilon"),
+            "a finite value >= 0",
+            k_norm_eps,
+        ));
+    }
+    Ok(DsaConfig {
+        n_head,
+        head_dim,
+        top_k,
+        rope_style: RopeStyle::Normal,
+        full,
+        k_norm_eps,
+    })
 }
 
 /// `rope.scaling.*`: (freq_scale, YaRN parameters).

@@ -12,7 +12,7 @@ pub enum ModelError {
     #[error(transparent)]
     Gguf(#[from] GgufError),
 
-    #[error("general.architecture: expected one of llama, qwen2, mistral, gemma3, deepseek2, found {found:?}")]
+    #[error("general.architecture: expected one of llama, qwen2, mistral, gemma3, deepseek2, glm-dsa, found {found:?}")]
     UnsupportedArchitecture { found: String },
 
     #[error("metadata {key}: expected {expected}, found {found}")]

@@ -12,10 +12,11 @@
 use crate::faults::{self, Fault};
 use crate::runtime::{
     AttnMeta, Backend, Batch, KvCache, KvSource, Mask, QueryMeta, RuntimeError, Strided,
+    SELECTED_NONE,
 };
 use crate::taps::{blk, Taps};
 
-use super::{Attention, Ffn, Layer, Model, ModelConfig, Weight};
+use super::{Attention, Ffn, Indexer, Layer, Model, ModelConfig, Weight};
 
 /// Where the forward pass meets the other ranks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -88,6 +89,15 @@ pub(crate) enum MlaQ<'w, B: Backend + 'w> {
     Full(B::Mat<'w>),
 }
 
+/// A lightning indexer's prepared weights (`glm-dsa`).
+pub(crate) struct IndexerW<'w, B: Backend + 'w> {
+    q_b: B::Mat<'w>,
+    k: B::Mat<'w>,
+    k_norm: B::Buf,
+    k_norm_b: B::Buf,
+    proj: B::Mat<'w>,
+}
+
 pub(crate) enum FfnW<'w, B: Backend + 'w> {
     Dense(DenseW<'w, B>),
     Moe {
@@ -116,6 +126,8 @@ pub struct Weights<'w, B: Backend + 'w> {
     output: B::Mat<'w>,
     output_norm: B::Buf,
     layers: Vec<LayerW<'w, B>>,
+    /// Per layer, its lightning indexer (replicated whole on every tensor-parallel rank).
+    indexers: Vec<Option<IndexerW<'w, B>>>,
 }
 
 impl<'w, B: Backend + 'w> Weights<'w, B> {
@@ -204,11 +216,27 @@ impl<'w, B: Backend + 'w> Weights<'w, B> {
                 post_ffn_norm: opt(&l.post_ffn_norm)?,
             });
         }
+        let indexer = |ix: &Indexer| -> Result<IndexerW<'w, B>, RuntimeError> {
+            Ok(IndexerW {
+                q_b: mat(&ix.q_b)?,
+                k: mat(&ix.k)?,
+                k_norm: vec(&ix.k_norm)?,
+                k_norm_b: vec(&ix.k_norm_b)?,
+                proj: mat(&ix.proj)?,
+            })
+        };
+        let indexers = m
+            .indexers
+            .iter()
+            .take(model_layers.len())
+            .map(|ix| ix.as_ref().map(indexer).transpose())
+            .collect::<Result<Vec<_>, _>>()?;
         Ok(Weights {
             token_embd: be.prepare(m.embedding_data())?,
             output: mat(output)?,
             output_norm: vec(&m.output_norm)?,
             layers,
+            indexers,
         })
     }
 }
@@ -397,13 +425,23 @@ fn forward_hidden_on<B: Backend>(
     }
 
     let mut h = be.alloc(n * d)?;
+    // The lightning indexer's selection of the last full layer (`glm-dsa`), which shared layers
+    // reuse.
+    let mut selection: Option<B::Ids> = None;
     for (il, layer) in w.layers.iter().enumerate() {
         be.rms_norm(&x, &layer.attn_norm, c.rms_eps, &mut h)?;
         tap(be, taps, || blk(il, "attn_norm"), n, d, &h)?;
 
         let attn = match &layer.attn {
             AttnW::Std { .. } => std_attention(c, be, cache, &layer.attn, il, &h, &step, taps)?,
-            AttnW::Mla { .. } => mla_attention(c, be, cache, &layer.attn, il, &h, &step, taps)?,
+            AttnW::Mla { .. } => {
+                let ix = w.indexers.get(il).and_then(Option::as_ref);
+                let sparse = Sparse {
+                    indexer: ix,
+                    selection: &mut selection,
+                };
+                mla_attention(c, be, cache, &layer.attn, il, &h, &step, sparse, taps)?
+            }
         };
         tap(
             be,
@@ -656,9 +694,109 @@ fn std_attention<B: Backend>(
     Ok(out)
 }
 
+/// What an MLA layer of a model with DeepSeek Sparse Attention (`glm-dsa`) needs beyond its
+/// attention weights: its indexer (on a full layer) and the selection shared across layers.
+struct Sparse<'a, 'w, B: Backend + 'w> {
+    indexer: Option<&'a IndexerW<'w, B>>,
+    selection: &'a mut Option<B::Ids>,
+}
+
+/// The lightning indexer of a full layer (DeepSeek-V3.2's `Indexer`, llama.cpp `glm-dsa.cpp`;
+/// see [`super::DsaConfig`] for the source of each choice): queries from the normed q latent
+/// `qa` through `indexer.attn_q_b`, one key head from the normed hidden state `h` through
+/// `indexer.attn_k` and a LayerNorm, RoPE on the first `qk_rope` values of each head, the keys
+/// of the batch written to the indexer's cache rows, every cell scored by
+/// `Σ_h w_h · ReLU(q_h · k)` with `w = indexer.proj(h) · (n_head · head_dim)^-½`, and the top
+/// `top_k` cells each query's mask shows selected. Returns the selection, `[n, top_k]` cells.
+#[allow(clippy::too_many_arguments)]
+fn indexer_select<B: Backend>(
+    c: &ModelConfig,
+    be: &B,
+    cache: &mut KvCache<B>,
+    ix: &IndexerW<'_, B>,
+    il: usize,
+    h: &B::Buf,
+    qa: &B::Buf,
+    step: &Step<'_>,
+    taps: &mut Taps<'_>,
+) -> Result<B::Ids, RuntimeError> {
+    let Some(dsa) = &c.dsa else {
+        return Err(missing("indexer without DSA configuration"));
+    };
+    let n = step.n;
+    let (nh, hd, top_k) = (dsa.n_head, dsa.head_dim, dsa.top_k);
+    let rope = crate::runtime::params::RopeConfig {
+        style: dsa.rope_style,
+        ..*c.rope_for_layer(il)
+    };
+    let mut iq = matmul(be, &ix.q_b, nh * hd, qa, n)?;
+    be.rope(&mut iq, nh, hd, &step.rope_pos, &rope)?;
+    let mut ik = matmul(be, &ix.k, hd, h, n)?;
+    be.layer_norm(&mut ik, &ix.k_norm, &ix.k_norm_b, dsa.k_norm_eps)?;
+    be.rope(&mut ik, 1, hd, &step.rope_pos, &rope)?;
+    let no_values = be.alloc(0)?;
+    let ikv = cache
+        .index_layer_mut(il)
+        .ok_or(missing("indexer key cache layer"))?;
+    be.kv_write(ikv, step.slots, &ik, &no_values)?;
+    let mut wts = matmul(be, &ix.proj, nh, h, n)?;
+    be.scale(&mut wts, dsa.weights_scale())?;
+
+    let n_cells = cache.cells().len();
+    let ikv = cache
+        .index_layer(il)
+        .ok_or(missing("indexer key cache layer"))?;
+    let mut keys = be.alloc(n_cells * hd)?;
+    be.kv_read_k(ikv, n_cells, &mut keys)?;
+    let mut scores = be.alloc(n * n_cells)?;
+    be.indexer_scores(&iq, &keys, &wts, nh, hd, n_cells, &mut scores)?;
+    if faults::is_active(Fault::IndexerTopKWrongAxis) && n == n_cells {
+        // Each query ranks its column instead of its row.
+        let mut t = be.alloc(n * n_cells)?;
+        let (src, dst) = (Strided::new(1, n_cells, 0), Strided::new(n_cells, 1, 0));
+        be.copy_strided(&scores, src, &mut t, dst, n, n_cells, 1)?;
+        scores = t;
+    }
+    let meta = attn_meta(c, cache, il, step, c.n_head);
+    let mut sel = be.upload_ids(&vec![SELECTED_NONE; n * top_k])?;
+    be.select_top_k(&scores, &meta, top_k, &mut sel)?;
+    if taps.enabled() {
+        tap_selection(be, taps, cache, il, &sel, n, top_k)?;
+    }
+    Ok(sel)
+}
+
+/// `blk.{il}.indexer_top_k`: each query's selected cells as the positions they hold, ascending,
+/// padded with −1 (docs/TAPS.md).
+fn tap_selection<B: Backend>(
+    be: &B,
+    taps: &mut Taps<'_>,
+    cache: &KvCache<B>,
+    il: usize,
+    sel: &B::Ids,
+    n: usize,
+    top_k: usize,
+) -> Result<(), RuntimeError> {
+    let mut ids = Vec::new();
+    be.download_ids(sel, &mut ids)?;
+    let mut rows = Vec::with_capacity(n * top_k);
+    for row in ids.chunks(top_k.max(1)).take(n) {
+        let mut pos: Vec<u32> = row
+            .iter()
+            .filter_map(|&c| cache.cells().get(c as usize).map(|m| m.pos))
+            .collect();
+        pos.sort_unstable();
+        rows.extend(pos.iter().map(|&p| p as f32));
+        rows.extend(std::iter::repeat_n(-1.0, top_k - pos.len()));
+    }
+    taps.emit(|| blk(il, "indexer_top_k"), n, top_k, &rows);
+    Ok(())
+}
+
 /// Multi-head latent attention. The cache keeps each token's latent row `[ckv | k_pe]` (normed
 /// compressed kv, roped shared key); attention expands every cell's latent with `attn_kv_b` into
-/// per-head keys `[k_nope | k_pe]` and values.
+/// per-head keys `[k_nope | k_pe]` and values. With DeepSeek Sparse Attention (`glm-dsa`) each
+/// query attends only to the cells its layer's (or the last full layer's) indexer selected.
 #[allow(clippy::too_many_arguments)]
 fn mla_attention<B: Backend>(
     c: &ModelConfig,
@@ -668,6 +806,7 @@ fn mla_attention<B: Backend>(
     il: usize,
     h: &B::Buf,
     step: &Step<'_>,
+    sparse: Sparse<'_, '_, B>,
     taps: &mut Taps<'_>,
 ) -> Result<B::Buf, RuntimeError> {
     let (
@@ -687,13 +826,13 @@ fn mla_attention<B: Backend>(
     let (nope, rd, dv, rank) = (mla.qk_nope, mla.qk_rope, mla.v_head_dim, mla.kv_lora_rank);
     let dqk = nope + rd;
 
-    let mut q = match wq {
+    let (mut q, qa) = match wq {
         MlaQ::LowRank(wa, norm, wb) => {
             let mut qa = matmul(be, wa, mla.q_lora_rank, h, n)?;
             be.rms_norm_inplace(&mut qa, norm, c.rms_eps)?;
-            matmul(be, wb, nh * dqk, &qa, n)?
+            (matmul(be, wb, nh * dqk, &qa, n)?, Some(qa))
         }
-        MlaQ::Full(wq) => matmul(be, wq, nh * dqk, h, n)?,
+        MlaQ::Full(wq) => (matmul(be, wq, nh * dqk, h, n)?, None),
     };
     let lat_w = rank + rd;
     let kva = matmul(be, wkv_a_mqa, lat_w, h, n)?;
@@ -808,17 +947,47 @@ fn mla_attention<B: Backend>(
             tap(be, taps, || blk(il, name), n, width, &rows)?;
         }
     }
+    // DeepSeek Sparse Attention: a full layer selects afresh, a shared one reuses the last
+    // full layer's selection (the cells are the same in every layer).
+    let selection = match (&c.dsa, sparse.indexer) {
+        (None, _) => None,
+        (Some(_), Some(_))
+            if c.is_indexer_full(il)
+                && sparse.selection.is_some()
+                && faults::is_active(Fault::IndexerFullLayerReuses) =>
+        {
+            // A full layer that reuses the last selection (its tap shows which).
+            if taps.enabled() {
+                if let (Some(sel), Some(d)) = (sparse.selection.as_ref(), &c.dsa) {
+                    tap_selection(be, taps, cache, il, sel, n, d.top_k)?;
+                }
+            }
+            sparse.selection.as_ref()
+        }
+        (Some(_), Some(ix)) if c.is_indexer_full(il) => {
+            let qa = qa.as_ref().ok_or(missing(
+                "indexer queries: the MLA q latent (q_lora_rank > 0)",
+            ))?;
+            *sparse.selection = Some(indexer_select(c, be, cache, ix, il, h, qa, step, taps)?);
+            sparse.selection.as_ref()
+        }
+        (Some(_), None) if c.is_indexer_full(il) => {
+            return Err(missing("indexer weights of a full indexer layer"))
+        }
+        (Some(_), _) => Some(sparse.selection.as_ref().ok_or(missing(
+            "the selection of a full indexer layer before a shared one",
+        ))?),
+    };
     let mut out = be.alloc(n * nh * dv)?;
     let meta = attn_meta(c, cache, il, step, nh);
-    be.attention(
-        &q,
-        KvSource::Bufs {
-            k: &k_all,
-            v: &v_all,
-        },
-        &meta,
-        &mut out,
-    )?;
+    let kv = KvSource::Bufs {
+        k: &k_all,
+        v: &v_all,
+    };
+    match (selection, &c.dsa) {
+        (Some(sel), Some(dsa)) => be.attention_selected(&q, kv, &meta, sel, dsa.top_k, &mut out)?,
+        _ => be.attention(&q, kv, &meta, &mut out)?,
+    }
     Ok(out)
 }
 

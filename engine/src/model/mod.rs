@@ -1,5 +1,5 @@
 //! Models: configuration from GGUF metadata, weight handles, and the forward pass of every
-//! supported architecture (`llama` family, `gemma3`, `deepseek2`).
+//! supported architecture (`llama` family, `gemma3`, `deepseek2`, `glm-dsa`).
 //!
 //! A [`Model`] owns the opened [`Gguf`]; its weights are checked slices of the file's maps (no
 //! dequantization at load except small norm vectors). The forward pass ([`forward`]) is one
@@ -22,8 +22,8 @@ use crate::gguf::{Gguf, WeightPages};
 use crate::runtime::WeightData;
 
 pub use config::{
-    Activation, Architecture, Gating, MlaConfig, ModelConfig, MoeConfig, RopeConfig, RopeStyle,
-    Yarn,
+    Activation, Architecture, DsaConfig, Gating, MlaConfig, ModelConfig, MoeConfig, RopeConfig,
+    RopeStyle, Yarn,
 };
 pub use error::ModelError;
 pub use forward::Weights;
@@ -95,6 +95,42 @@ pub enum Ffn {
     Moe(MoeFfn),
 }
 
+/// The lightning indexer of one layer (DeepSeek Sparse Attention, `glm-dsa`): llama.cpp's
+/// `blk.N.indexer.{attn_q_b, attn_k, k_norm, proj}`. Its matrices stay in the file's weight
+/// types like every other matrix (never dequantized at load); only the LayerNorm vectors are.
+#[derive(Debug, Clone)]
+pub struct Indexer {
+    /// `indexer.attn_q_b`: `[q_lora_rank, n_head·head_dim]`, queries from the MLA q latent.
+    pub q_b: Weight,
+    /// `indexer.attn_k`: `[n_embd, head_dim]`, the one key head from the normed hidden state.
+    pub k: Weight,
+    /// `indexer.k_norm.weight` and `.bias`: the key's LayerNorm.
+    pub k_norm: Vec<f32>,
+    pub k_norm_b: Vec<f32>,
+    /// `indexer.proj`: `[n_embd, n_head]`, the per-head weights of the scores.
+    pub proj: Weight,
+}
+
+/// A multi-token-prediction (NextN) block of a `glm-dsa` file (llama.cpp
+/// `LLM_TENSOR_NEXTN_*`): a whole layer plus the projection of `[enorm(embed) | hnorm(h)]`.
+/// Loaded with checked shapes and kept (for inspection and a future MTP drafter); the forward
+/// pass does not run it.
+#[derive(Debug)]
+pub struct MtpLayer {
+    /// The block's index in the file (`block_count - nextn_predict_layers + i`).
+    pub index: usize,
+    pub layer: Layer,
+    pub indexer: Option<Indexer>,
+    /// `nextn.eh_proj`: `[2·n_embd, n_embd]`.
+    pub eh_proj: Weight,
+    pub enorm: Vec<f32>,
+    pub hnorm: Vec<f32>,
+    /// Optional: `nextn.embed_tokens`, `nextn.shared_head_head`, `nextn.shared_head_norm`.
+    pub embed_tokens: Option<Weight>,
+    pub shared_head_head: Option<Weight>,
+    pub shared_head_norm: Option<Vec<f32>>,
+}
+
 /// One transformer block.
 #[derive(Debug)]
 pub struct Layer {
@@ -113,6 +149,12 @@ pub struct Model {
     config: ModelConfig,
     pub(crate) token_embd: Weight,
     pub(crate) layers: Vec<Layer>,
+    /// Per trunk layer, its lightning indexer (`glm-dsa`; `None` elsewhere, and on shared
+    /// layers of files that store no indexer there). Kept beside `layers` so that tensor
+    /// parallelism's per-rank layers stay as they are: the indexer is replicated on every rank.
+    pub(crate) indexers: Vec<Option<Indexer>>,
+    /// The NextN blocks after the trunk (`glm-dsa`).
+    pub(crate) mtp: Vec<MtpLayer>,
     pub(crate) output_norm: Vec<f32>,
     /// The output head (`output`, or `token_embd` when tied).
     pub(crate) output: Weight,
@@ -163,12 +205,19 @@ impl Model {
             .matrix_opt("output.weight", d, c.n_vocab)?
             .unwrap_or_else(|| token_embd.clone());
         let mut layers = Vec::with_capacity(c.n_layer);
+        let mut indexers = Vec::with_capacity(c.n_layer);
         for il in 0..c.n_layer {
             layers.push(load_layer(&l, c, il)?);
+            indexers.push(load_indexer(&l, c, il, c.is_indexer_full(il))?);
         }
+        let mtp = (c.n_layer..c.n_layer + c.n_nextn)
+            .map(|il| load_mtp(&l, c, il))
+            .collect::<Result<Vec<_>, _>>()?;
         Ok(Model {
             token_embd,
             layers,
+            indexers,
+            mtp,
             output_norm,
             output,
             config,
@@ -213,11 +262,23 @@ impl Model {
         }
     }
 
+    /// The lightning indexer of layer `il`, if it has one.
+    pub fn indexer(&self, il: usize) -> Option<&Indexer> {
+        self.indexers.get(il).and_then(Option::as_ref)
+    }
+
+    /// The multi-token-prediction blocks kept after the trunk.
+    pub fn mtp_layers(&self) -> &[MtpLayer] {
+        &self.mtp
+    }
+
     /// Every weight matrix of the model, in forward order (token embedding first, output head
-    /// last): for inspection, shard planning and tests.
+    /// last): for inspection, shard planning and tests. The indexer's matrices follow their
+    /// layer's attention; the NextN blocks, which the forward pass does not run, are not listed
+    /// (see [`Model::mtp_layers`]).
     pub fn weights(&self) -> Vec<&Weight> {
         let mut out = vec![&self.token_embd];
-        for l in &self.layers {
+        for (il, l) in self.layers.iter().enumerate() {
             match &l.attn {
                 Attention::Std(a) => out.extend([&a.wq, &a.wk, &a.wv]),
                 Attention::Mla(a) => {
@@ -227,6 +288,9 @@ impl Model {
                     out.extend(a.wq.as_ref());
                     out.extend([&a.wkv_a_mqa, &a.wkv_b]);
                 }
+            }
+            if let Some(ix) = self.indexer(il) {
+                out.extend([&ix.q_b, &ix.k, &ix.proj]);
             }
             out.push(&l.wo);
             match &l.ffn {
@@ -358,6 +422,47 @@ fn load_layer(l: &Loader<'_>, c: &ModelConfig, il: usize) -> Result<Layer, Model
         } else {
             None
         },
+    })
+}
+
+/// The indexer of layer `il` (`glm-dsa`): required on a full layer; on a shared layer loaded
+/// and checked when the file has it (GLM-5.2 files store it on full layers only), else `None`.
+fn load_indexer(
+    l: &Loader<'_>,
+    c: &ModelConfig,
+    il: usize,
+    full: bool,
+) -> Result<Option<Indexer>, ModelError> {
+    let (Some(d), Some(m)) = (&c.dsa, c.mla) else {
+        return Ok(None);
+    };
+    let n = |s: &str| format!("blk.{il}.indexer.{s}.weight");
+    if !full && l.gguf.tensor(&n("attn_k")).is_none() {
+        return Ok(None);
+    }
+    Ok(Some(Indexer {
+        q_b: l.matrix(&n("attn_q_b"), m.q_lora_rank, d.n_head * d.head_dim)?,
+        k: l.matrix(&n("attn_k"), c.n_embd, d.head_dim)?,
+        k_norm: l.vector(&n("k_norm"), d.head_dim)?,
+        k_norm_b: l.vector(&format!("blk.{il}.indexer.k_norm.bias"), d.head_dim)?,
+        proj: l.matrix(&n("proj"), c.n_embd, d.n_head)?,
+    }))
+}
+
+/// NextN block `il` (past the trunk): a whole layer, its indexer, and the `nextn.*` tensors.
+fn load_mtp(l: &Loader<'_>, c: &ModelConfig, il: usize) -> Result<MtpLayer, ModelError> {
+    let n = |s: &str| format!("blk.{il}.nextn.{s}.weight");
+    let d = c.n_embd;
+    Ok(MtpLayer {
+        index: il,
+        layer: load_layer(l, c, il)?,
+        indexer: load_indexer(l, c, il, true)?,
+        eh_proj: l.matrix(&n("eh_proj"), 2 * d, d)?,
+        enorm: l.vector(&n("enorm"), d)?,
+        hnorm: l.vector(&n("hnorm"), d)?,
+        embed_tokens: l.matrix_opt(&n("embed_tokens"), d, c.n_vocab)?,
+        shared_head_head: l.matrix_opt(&n("shared_head_head"), d, c.n_vocab)?,
+        shared_head_norm: l.vector_opt(&n("shared_head_norm"), d)?,
     })
 }
 

@@ -153,6 +153,18 @@ impl Weight {
             }
             out = Cow::Owned(o);
         }
+        if self.info.name.ends_with(".indexer.attn_q_b.weight")
+            && faults::is_active(Fault::IndexerWeightsShardOrder)
+        {
+            // The indexer's query heads loaded half-swapped (whole rows: `n_rows` is the heads
+            // times their width, an even number of heads in every glm-dsa file).
+            let half = self.n_rows / 2 * self.row_bytes;
+            let mut o = out.into_owned();
+            if half > 0 && o.len() == 2 * half {
+                o.rotate_left(half);
+            }
+            out = Cow::Owned(o);
+        }
         if self.ty == GgmlType::Q4K && faults::is_active(Fault::WrongDequantScale) {
             out = Cow::Owned(q4k_with_wrong_scale(&out));
         }

@@ -433,4 +433,91 @@ pub trait Backend: Send + Sync {
         meta: &AttnMeta<'_>,
         out: &mut Self::Buf,
     ) -> Result<(), RuntimeError>;
+
+    // ---- sparse attention (DeepSeek Sparse Attention's lightning indexer) ------------------
+    //
+    // A backend without these ops answers `Unsupported` naming the op: a model with an indexer
+    // (`glm-dsa`) then fails to run on it instead of silently attending densely.
+
+    /// LayerNorm of each row of `weight.len()` values of `x`, in place:
+    /// `(x − mean) / sqrt(var + eps) · weight + bias` (biased variance, as PyTorch and ggml).
+    fn layer_norm(
+        &self,
+        x: &mut Self::Buf,
+        weight: &Self::Buf,
+        bias: &Self::Buf,
+        eps: f32,
+    ) -> Result<(), RuntimeError> {
+        let _ = (x, weight, bias, eps);
+        Err(RuntimeError::Unsupported {
+            backend: self.name(),
+            op: "layer_norm",
+        })
+    }
+
+    /// The lightning indexer's scores: for query token `t` (of `weights.len() / n_head`) and
+    /// cell `c` (of `n_cells`),
+    /// `out[t, c] = Σ_h weights[t, h] · max(0, q[t, h, :] · k[c, :])`, with `q`
+    /// `[n, n_head × head_dim]`, `k` `[n_cells, head_dim]` (one key head shared by every
+    /// indexer head), `weights` `[n, n_head]` and `out` `[n, n_cells]`. Every cell is scored;
+    /// [`Backend::select_top_k`] applies the mask.
+    #[allow(clippy::too_many_arguments)]
+    fn indexer_scores(
+        &self,
+        q: &Self::Buf,
+        k: &Self::Buf,
+        weights: &Self::Buf,
+        n_head: usize,
+        head_dim: usize,
+        n_cells: usize,
+        out: &mut Self::Buf,
+    ) -> Result<(), RuntimeError> {
+        let _ = (q, k, weights, n_head, head_dim, n_cells, out);
+        Err(RuntimeError::Unsupported {
+            backend: self.name(),
+            op: "indexer_scores",
+        })
+    }
+
+    /// For each query of `meta` (its row of `scores`, `[n, meta.cells.len()]`), the `k` cells
+    /// of highest score among those its mask lets it see (sequence, causal, window, tree), in
+    /// descending score order, ties to the lower position and then the lower cell; fewer than
+    /// `k` visible cells leave the rest of the query's row [`SELECTED_NONE`]. Writes `out`,
+    /// `[n, k]` cell indices.
+    fn select_top_k(
+        &self,
+        scores: &Self::Buf,
+        meta: &AttnMeta<'_>,
+        k: usize,
+        out: &mut Self::Ids,
+    ) -> Result<(), RuntimeError> {
+        let _ = (scores, meta, k, out);
+        Err(RuntimeError::Unsupported {
+            backend: self.name(),
+            op: "select_top_k",
+        })
+    }
+
+    /// [`Backend::attention`] of each query over the cells of its row of `selected` (`[n, k]`
+    /// from [`Backend::select_top_k`], [`SELECTED_NONE`] skipped) that its mask lets it see:
+    /// the sparse attention of DeepSeek Sparse Attention. When a query's row holds every cell
+    /// it sees, the result is [`Backend::attention`]'s, bit for bit.
+    fn attention_selected(
+        &self,
+        q: &Self::Buf,
+        kv: KvSource<'_, Self>,
+        meta: &AttnMeta<'_>,
+        selected: &Self::Ids,
+        k: usize,
+        out: &mut Self::Buf,
+    ) -> Result<(), RuntimeError> {
+        let _ = (q, kv, meta, selected, k, out);
+        Err(RuntimeError::Unsupported {
+            backend: self.name(),
+            op: "attention_selected",
+        })
+    }
 }
+
+/// An empty slot of a [`Backend::select_top_k`] row (fewer visible cells than `k`).
+pub const SELECTED_NONE: u32 = u32::MAX;

@@ -16,7 +16,7 @@ use rayon::prelude::*;
 use super::params::{yarn_corr_dims, Activation, Gating, MoeConfig, RopeConfig, RopeStyle};
 use crate::faults::{self, Fault};
 
-use super::backend::{AttnMeta, Backend, KvDtype, KvSource, Strided, WeightData};
+use super::backend::{AttnMeta, Backend, KvDtype, KvSource, Strided, WeightData, SELECTED_NONE};
 use super::error::check_len;
 use super::RuntimeError;
 
@@ -170,6 +170,41 @@ fn visible_cells(m: &AttnMeta<'_>, t: usize) -> Vec<u32> {
         .filter(|(_, &c)| m.mask.visible(query, c, anc))
         .map(|(j, _)| j as u32)
         .collect()
+}
+
+/// The cells query `t` sees among its row of a [`Backend::select_top_k`] selection, in index
+/// order (the order [`visible_cells`] gives, so a selection of every visible cell attends with
+/// the same bits as the dense op).
+fn selected_cells(m: &AttnMeta<'_>, t: usize, row: &[u32]) -> Vec<u32> {
+    let (query, anc) = (m.queries[t], m.ancestors_of(t));
+    let mut cells: Vec<u32> = row
+        .iter()
+        .copied()
+        .filter(|&c| {
+            c != SELECTED_NONE
+                && m.cells
+                    .get(c as usize)
+                    .is_some_and(|&cell| m.mask.visible(query, cell, anc))
+        })
+        .collect();
+    cells.sort_unstable();
+    cells.dedup();
+    cells
+}
+
+/// One row of [`Backend::layer_norm`]: mean and variance summed in f64 (as `rms_norm_row`).
+fn layer_norm_row(x: &mut [f32], w: &[f32], b: &[f32], eps: f32) {
+    let n = x.len() as f64;
+    let mean = x.iter().map(|&v| f64::from(v)).sum::<f64>() / n;
+    let var = x
+        .iter()
+        .map(|&v| (f64::from(v) - mean).powi(2))
+        .sum::<f64>()
+        / n;
+    let inv = 1.0 / (var + f64::from(eps)).sqrt();
+    for ((v, &wi), &bi) in x.iter_mut().zip(w).zip(b) {
+        *v = ((f64::from(*v) - mean) * inv) as f32 * wi + bi;
+    }
 }
 
 /// Scores (already scaled) to weights: `exp(s − max)`, summed in f64 as ggml does, normalized.
@@ -386,13 +421,25 @@ fn shape(op: &'static str, expected: usize, found: usize) -> RuntimeError {
 }
 
 impl CpuBackend {
-    fn attend<E: Sync>(&self, q: &[f32], kv: KvRows<'_, E>, m: &AttnMeta<'_>, out: &mut [f32]) {
+    /// Attention of every query over the cells it sees: all those its mask shows, or (sparse
+    /// attention) those of its row of `selected` (`[n, k]`) that its mask shows.
+    fn attend<E: Sync>(
+        &self,
+        q: &[f32],
+        kv: KvRows<'_, E>,
+        m: &AttnMeta<'_>,
+        selected: Option<(&[u32], usize)>,
+        out: &mut [f32],
+    ) {
         let group = m.n_head / m.n_head_kv;
         self.pool.install(|| {
             // The mask is evaluated once per query token, not once per head.
             let visible: Vec<Vec<u32>> = (0..m.queries.len())
                 .into_par_iter()
-                .map(|t| visible_cells(m, t))
+                .map(|t| match selected {
+                    None => visible_cells(m, t),
+                    Some((sel, k)) => selected_cells(m, t, &sel[t * k..(t + 1) * k]),
+                })
                 .collect();
             // One task per (token, KV head) with all the query heads that share it, when that
             // leaves every thread several tasks; otherwise (a decode step) one per head. Both
@@ -1021,6 +1068,144 @@ impl Backend for CpuBackend {
         m: &AttnMeta<'_>,
         out: &mut Vec<f32>,
     ) -> Result<(), RuntimeError> {
+        self.attention_impl(q, kv, m, None, out)
+    }
+
+    fn attention_selected(
+        &self,
+        q: &Vec<f32>,
+        kv: KvSource<'_, Self>,
+        m: &AttnMeta<'_>,
+        selected: &Vec<u32>,
+        k: usize,
+        out: &mut Vec<f32>,
+    ) -> Result<(), RuntimeError> {
+        check_len(
+            "attention_selected selection (queries × k)",
+            m.queries.len() * k,
+            selected.len(),
+        )?;
+        self.attention_impl(q, kv, m, Some((selected, k)), out)
+    }
+
+    fn layer_norm(
+        &self,
+        x: &mut Vec<f32>,
+        weight: &Vec<f32>,
+        bias: &Vec<f32>,
+        eps: f32,
+    ) -> Result<(), RuntimeError> {
+        let n = weight.len();
+        check_len("layer_norm bias", n, bias.len())?;
+        check_rows(
+            "layer_norm input (a multiple of the weight length)",
+            n,
+            x.len(),
+        )?;
+        self.pool.install(|| {
+            x.par_chunks_exact_mut(n)
+                .with_min_len(rows_per_task(n))
+                .for_each(|xr| layer_norm_row(xr, weight, bias, eps))
+        });
+        Ok(())
+    }
+
+    fn indexer_scores(
+        &self,
+        q: &Vec<f32>,
+        k: &Vec<f32>,
+        weights: &Vec<f32>,
+        n_head: usize,
+        head_dim: usize,
+        n_cells: usize,
+        out: &mut Vec<f32>,
+    ) -> Result<(), RuntimeError> {
+        check_rows(
+            "indexer_scores weights (rows of n_head)",
+            n_head,
+            weights.len(),
+        )?;
+        let n = weights.len() / n_head;
+        check_len("indexer_scores q", n * n_head * head_dim, q.len())?;
+        check_len("indexer_scores keys", n_cells * head_dim, k.len())?;
+        check_len("indexer_scores output", n * n_cells, out.len())?;
+        if n_cells == 0 {
+            return Ok(());
+        }
+        let dot = self.kernels.vector().dot_f32;
+        self.pool.install(|| {
+            out.par_chunks_exact_mut(n_cells)
+                .enumerate()
+                .for_each(|(t, row)| {
+                    let qt = &q[t * n_head * head_dim..(t + 1) * n_head * head_dim];
+                    let wt = &weights[t * n_head..(t + 1) * n_head];
+                    for (c, o) in row.iter_mut().enumerate() {
+                        let kc = &k[c * head_dim..(c + 1) * head_dim];
+                        // Heads summed in order, each ReLU'd dot product weighted.
+                        let mut s = 0f32;
+                        for (h, &w) in wt.iter().enumerate() {
+                            let d = dot(&qt[h * head_dim..(h + 1) * head_dim], kc);
+                            s += w * d.max(0.0);
+                        }
+                        *o = s;
+                    }
+                })
+        });
+        Ok(())
+    }
+
+    fn select_top_k(
+        &self,
+        scores: &Vec<f32>,
+        m: &AttnMeta<'_>,
+        k: usize,
+        out: &mut Vec<u32>,
+    ) -> Result<(), RuntimeError> {
+        let (n, n_cells) = (m.queries.len(), m.cells.len());
+        check_len(
+            "select_top_k scores (queries × cells)",
+            n * n_cells,
+            scores.len(),
+        )?;
+        check_len("select_top_k output (queries × k)", n * k, out.len())?;
+        if m.mask.tree {
+            check_len("select_top_k ancestors", n * m.anc_words, m.ancestors.len())?;
+        }
+        if k == 0 {
+            return Ok(());
+        }
+        self.pool.install(|| {
+            out.par_chunks_exact_mut(k).enumerate().for_each(|(t, o)| {
+                let row = &scores[t * n_cells..(t + 1) * n_cells];
+                let mut cells = visible_cells(m, t);
+                // Descending score; ties to the lower position, then the lower cell.
+                cells.sort_unstable_by(|&a, &b| {
+                    let (a, b) = (a as usize, b as usize);
+                    row[b]
+                        .total_cmp(&row[a])
+                        .then(m.cells[a].pos.cmp(&m.cells[b].pos))
+                        .then(a.cmp(&b))
+                });
+                o.fill(SELECTED_NONE);
+                for (slot, &c) in o.iter_mut().zip(&cells) {
+                    *slot = c;
+                }
+            })
+        });
+        Ok(())
+    }
+}
+
+impl CpuBackend {
+    /// [`Backend::attention`] or, with a selection, [`Backend::attention_selected`].
+    fn attention_impl(
+        &self,
+        q: &[f32],
+        kv: KvSource<'_, Self>,
+        m: &AttnMeta<'_>,
+        selected: Option<(&[u32], usize)>,
+        out: &mut [f32],
+    ) -> Result<(), RuntimeError> {
         let n = m.queries.len();
         let n_cells = m.cells.len();
         check_len("attention q", n * m.n_head * m.head_dim_k, q.len())?;
@@ -1054,7 +1239,7 @@ impl Backend for CpuBackend {
                             scores: vf.scores_f32,
                             wsum_n: vf.wsum_n_f32,
                         };
-                        self.attend(q, rows, m, out)
+                        self.attend(q, rows, m, selected, out)
                     }
                     (KvStore::F16(k), KvStore::F16(v)) => {
                         let rows = KvRows {
@@ -1065,7 +1250,7 @@ impl Backend for CpuBackend {
                             scores: vf.scores_f16,
                             wsum_n: vf.wsum_n_f16,
                         };
-                        self.attend(q, rows, m, out)
+                        self.attend(q, rows, m, selected, out)
                     }
                     _ => return Err(shape("attention cache (one storage type)", 0, 1)),
                 }
@@ -1081,7 +1266,7 @@ impl Backend for CpuBackend {
                     scores: vf.scores_f32,
                     wsum_n: vf.wsum_n_f32,
                 };
-                self.attend(q, rows, m, out)
+                self.attend(q, rows, m, selected, out)
             }
         }
         Ok(())
@@ -1203,6 +1388,106 @@ mod tests {
         )
         .unwrap_or_else(|e| panic!("{e}"));
         out[0]
+    }
+
+    #[test]
+    fn layer_norm_centres_scales_and_shifts() {
+        // [1, 2, 3, 4]: mean 2.5, biased variance 1.25.
+        let b = backend();
+        let mut x = vec![1.0f32, 2.0, 3.0, 4.0];
+        b.layer_norm(
+            &mut x,
+            &vec![1.0, 1.0, 2.0, 2.0],
+            &vec![0.0, 0.5, 0.0, 0.5],
+            0.0,
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        let s = 1.25f32.sqrt();
+        let want = [-1.5 / s, -0.5 / s + 0.5, 1.0 / s, 3.0 / s + 0.5];
+        for (g, w) in x.iter().zip(want) {
+            assert!((g - w).abs() < 1e-6, "{x:?}");
+        }
+        assert!(b
+            .layer_norm(&mut x, &vec![1.0; 3], &vec![0.0; 3], 0.0)
+            .is_err());
+    }
+
+    #[test]
+    fn indexer_scores_sum_relu_dots_weighted_per_head() {
+        // 1 query, 2 heads of dim 2, 3 cells.
+        let b = backend();
+        let q = vec![1.0, 0.0, /* head 1 */ 0.0, 1.0];
+        let k = vec![
+            2.0, -1.0, /* cell 1 */ -3.0, 4.0, /* cell 2 */ 1.0, 1.0,
+        ];
+        let w = vec![0.5, 2.0];
+        let mut out = vec![0f32; 3];
+        b.indexer_scores(&q, &k, &w, 2, 2, 3, &mut out)
+            .unwrap_or_else(|e| panic!("{e}"));
+        // cell 0: 0.5·relu(2) + 2·relu(−1) = 1; cell 1: 0.5·relu(−3) + 2·relu(4) = 8;
+        // cell 2: 0.5·1 + 2·1 = 2.5.
+        assert_eq!(out, vec![1.0, 8.0, 2.5]);
+    }
+
+    #[test]
+    fn top_k_keeps_visible_cells_by_score_ties_to_the_lower_position() {
+        let b = backend();
+        // Cells hold positions 3, 0, 2, 1 (any order: selection is by position, not row).
+        let cells: Vec<CellMeta> = [3u32, 0, 2, 1]
+            .iter()
+            .map(|&pos| CellMeta {
+                pos,
+                seq: 0,
+                batch: CellMeta::COMMITTED,
+            })
+            .collect();
+        let queries = [QueryMeta { pos: 2, seq: 0 }, QueryMeta { pos: 3, seq: 0 }];
+        // Query 0 (pos 2) sees cells 1, 2, 3; cell 0 (pos 3) scores highest but is in its
+        // future. Cells 2 and 3 tie: position 1 (cell 3) before position 2 (cell 2).
+        let scores = vec![9.0, 1.0, 5.0, 5.0, /* query 1 */ 9.0, 1.0, 5.0, 5.0];
+        let m = meta(&queries, &cells, Mask::CAUSAL, &[]);
+        let mut out = vec![0u32; 4];
+        b.select_top_k(&scores, &m, 2, &mut out)
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(out, vec![3, 2, 0, 3]);
+        // k larger than what a query sees: the rest of its row is empty.
+        let mut out = vec![0u32; 10];
+        b.select_top_k(&scores, &m, 5, &mut out)
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(&out[..5], &[3, 2, 1, SELECTED_NONE, SELECTED_NONE]);
+        assert_eq!(&out[5..], &[0, 3, 2, 1, SELECTED_NONE]);
+    }
+
+    #[test]
+    fn attention_over_a_selection_sees_only_it_and_equals_dense_when_it_holds_all() {
+        let b = backend();
+        let cells = cells(4);
+        let q = QueryMeta { pos: 3, seq: 0 };
+        let v: Vec<f32> = (0..4).map(|i| i as f32).collect();
+        let k = vec![0.5f32, -1.0, 2.0, 0.25];
+        let queries = [q];
+        let m = meta(&queries, &cells, Mask::CAUSAL, &[]);
+        let run = |sel: Option<Vec<u32>>| {
+            let mut out = vec![0f32];
+            let kv = KvSource::Bufs { k: &k, v: &v };
+            match sel {
+                None => b.attention(&vec![1.0], kv, &m, &mut out),
+                Some(s) => {
+                    let n = s.len();
+                    b.attention_selected(&vec![1.0], kv, &m, &s, n, &mut out)
+                }
+            }
+            .unwrap_or_else(|e| panic!("{e}"));
+            out[0]
+        };
+        // Every visible cell selected, in any order: the dense op's bits.
+        assert_eq!(run(Some(vec![2, 0, 3, 1])).to_bits(), run(None).to_bits());
+        // One cell: its value, whatever the scores.
+        assert_eq!(run(Some(vec![1, SELECTED_NONE])), 1.0);
+        // Two cells: softmax over their scores only.
+        let (e0, e2) = (0.5f32.exp(), 2f32.exp());
+        let want = (0.0 * e0 + 2.0 * e2) / (e0 + e2);
+        assert!((run(Some(vec![0, 2])) - want).abs() < 1e-6);
     }
 
     #[test]

@@ -11,6 +11,11 @@
 //! holds the latent form (the normed compressed kv and the roped shared key, `kv_lora_rank +
 //! qk_rope` values per cell, no values row) that DeepSeek-V3/Kimi K2 serve from; attention
 //! expands it with `attn_kv_b`.
+//!
+//! A model with DeepSeek Sparse Attention (`glm-dsa`) has a second row per cell and layer: the
+//! lightning indexer's key ([`KvLayout::index_width`] values), in its own backend layer beside
+//! the latent one. The same cells, so it follows every allocation, commit, rollback and
+//! compaction of the cache (the indexer of a shared layer writes nothing to its row).
 
 use super::backend::{Backend, CellMeta, KvDtype, SeqId};
 use super::RuntimeError;
@@ -24,6 +29,9 @@ pub struct KvLayout {
     pub k_width: usize,
     /// Values per value row (0 for MLA, whose values are expanded from the latent row).
     pub v_width: usize,
+    /// Values per indexer key row (DeepSeek Sparse Attention's `indexer.key_length`), 0 for a
+    /// model without an indexer.
+    pub index_width: usize,
 }
 
 /// What a scheduler, a session or a drafter reads and changes of a cache's cells, whatever the
@@ -101,6 +109,8 @@ impl<B: Backend> SeqCache for KvCache<B> {
 /// Keys and values of every cached token, for every layer.
 pub struct KvCache<B: Backend> {
     layers: Vec<B::Kv>,
+    /// The lightning indexer's key rows, one backend layer per model layer (empty without one).
+    index: Vec<B::Kv>,
     cells: Vec<CellMeta>,
     /// Free cells, highest first (so `pop` gives the lowest).
     free: Vec<u32>,
@@ -133,8 +143,16 @@ impl<B: Backend> KvCache<B> {
         let layers = (0..layout.n_layers)
             .map(|_| be.kv_new(layout.k_width, layout.v_width, dtype))
             .collect::<Result<_, _>>()?;
+        let index = if layout.index_width > 0 {
+            (0..layout.n_layers)
+                .map(|_| be.kv_new(layout.index_width, 0, dtype))
+                .collect::<Result<_, _>>()?
+        } else {
+            Vec::new()
+        };
         Ok(KvCache {
             layers,
+            index,
             cells: Vec::new(),
             free: Vec::new(),
             pending: Vec::new(),
@@ -192,6 +210,15 @@ impl<B: Backend> KvCache<B> {
         self.layers.get_mut(il)
     }
 
+    /// Layer `il`'s indexer key rows (a model with a lightning indexer).
+    pub(crate) fn index_layer(&self, il: usize) -> Option<&B::Kv> {
+        self.index.get(il)
+    }
+
+    pub(crate) fn index_layer_mut(&mut self, il: usize) -> Option<&mut B::Kv> {
+        self.index.get_mut(il)
+    }
+
     /// Take `n` free cells for a forward's tokens (lowest first), tagged with their batch
     /// index, sequence and position. Fails without change when the cache would overflow.
     pub(crate) fn allocate(
@@ -215,7 +242,7 @@ impl<B: Backend> KvCache<B> {
         let grow = n.saturating_sub(self.free.len());
         if grow > 0 {
             let new_len = self.cells.len() + grow;
-            for kv in &mut self.layers {
+            for kv in self.layers.iter_mut().chain(&mut self.index) {
                 be.kv_reserve(kv, new_len)?;
             }
             let first = self.cells.len() as u32;
@@ -324,6 +351,9 @@ impl<B: Backend> KvCache<B> {
         // `kv_move` reads every source before it writes, so the order of `keep` is free.
         if !moves.is_empty() {
             for kv in &mut self.layers {
+                be.kv_move(kv, &moves)?;
+            }
+            for kv in &mut self.index {
                 be.kv_move(kv, &moves)?;
             }
         }

@@ -28,6 +28,7 @@ mod shared;
 
 pub use backend::{
     AttnMeta, Backend, CellMeta, KvDtype, KvSource, Mask, QueryMeta, SeqId, Strided, WeightData,
+    SELECTED_NONE,
 };
 pub use batch::Batch;
 pub use cpu::{CpuBackend, CpuKv, CpuMat};

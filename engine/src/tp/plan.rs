@@ -532,6 +532,26 @@ pub fn plan_tensor(c: &ModelConfig, d: &Decisions, t: &TensorDesc) -> TensorPlan
     };
     let attn_rep = || whole(Placement::Replicated, d.attn.reason().map(str::to_owned));
 
+    // glm-dsa: the NextN blocks after the trunk are kept, not run by the forward pass.
+    if layer.is_some_and(|il| il >= c.n_layer) {
+        return whole(
+            Placement::Replicated,
+            Some("NextN (MTP) block: kept in the file, not run by the forward pass".into()),
+        );
+    }
+    // glm-dsa's lightning indexer: one score per cell summed over all its heads, and a top-k
+    // every attention head of the layer shares, so every rank computes it whole and selects the
+    // same cells (its heads are not the attention's heads; splitting them would need an
+    // all-reduce of the scores before the top-k).
+    if role.starts_with("indexer.") {
+        return whole(
+            Placement::Replicated,
+            Some(
+                "lightning indexer: every rank scores every cell and selects the same top-k".into(),
+            ),
+        );
+    }
+
     if layer.is_none() {
         return match role {
             "output" if d.vocab.is_split() => by_rows(d.vocab_rows.clone(), None),

@@ -90,6 +90,13 @@ impl Case {
             Backend::CpuAvx2 if !machine.avx2 => return Some("CPU lacks AVX2".into()),
             Backend::CpuAvx512 if !machine.avx512 => return Some("CPU lacks AVX-512".into()),
             Backend::CpuAvx2 | Backend::CpuAvx512 => {}
+            Backend::CudaEmu | Backend::Cuda { .. } if self.model.starts_with("glm-dsa") => {
+                return Some(
+                    "the CUDA backend has no lightning-indexer kernels yet (layer_norm, \
+                     indexer_scores and select_top_k answer Unsupported)"
+                        .into(),
+                );
+            }
             Backend::CudaEmu => {
                 if !e.cuda {
                     return Some("engine built without the `cuda` feature".into());

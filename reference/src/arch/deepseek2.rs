@@ -17,11 +17,15 @@
 //! only); weights are the unbiased `probs` of the chosen experts, divided by their sum (clamped
 //! below at 2⁻¹⁴) when `expert_weights_norm`, times `expert_weights_scale`; output
 //! `Σ wₑ·expertₑ(m) + shared(m)`.
+//!
+//! `glm-dsa` (GLM-5) is this architecture with DeepSeek Sparse Attention: each layer's attention
+//! sees only the positions its lightning indexer selected ([`super::glm_dsa`]).
 
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 
+use super::glm_dsa::{Dsa, Indexer};
 use super::{Experts, Layers, Loader, Streamer, Vocab};
 use crate::error::ReferenceError;
 use crate::ops::{
@@ -72,9 +76,11 @@ struct Layer {
     wo: Weight,
     ffn_norm: Tensor,
     ffn: Ffn,
+    /// `glm-dsa`: the layer's lightning indexer (`None` on a shared layer without one).
+    indexer: Option<Indexer>,
 }
 
-use crate::{ForcedRoutes as Forced, Gating, Routing};
+use crate::{ForcedRoutes as Forced, ForcedSelections, Gating, Routing};
 
 pub(crate) struct Deepseek2 {
     /// The streaming model's file (routed experts are read one by one from it).
@@ -100,14 +106,31 @@ pub(crate) struct Deepseek2 {
     vocab: Vocab,
     output_norm: Tensor,
     layers: Layers<Layer>,
+    /// `glm-dsa`: DeepSeek Sparse Attention.
+    dsa: Option<Dsa>,
 }
 
 impl Deepseek2 {
     /// Read the configuration and the weights (eager), or only check the weights (`src`: the
     /// streaming model's file, read again layer by layer in [`Deepseek2::forward`]).
     pub fn load(ld: &mut Loader<'_>, src: Option<&Arc<Streamer>>) -> Result<Self> {
+        let glm = ld.prefix == "glm-dsa.";
         let n_embd = ld.usize("embedding_length")?;
-        let n_layer = ld.usize("block_count")?;
+        // glm-dsa: `block_count` includes the NextN blocks after the trunk (llama.cpp).
+        let n_nextn = if glm {
+            ld.usize_or("nextn_predict_layers", 0)?
+        } else {
+            0
+        };
+        let n_layer = ld
+            .usize("block_count")?
+            .checked_sub(n_nextn)
+            .filter(|&n| n > 0)
+            .ok_or_else(|| {
+                ReferenceError::Unsupported(format!(
+                    "{n_nextn} NextN blocks of a model with no more blocks than that"
+                ))
+            })?;
         let n_head = ld.usize("attention.head_count")?;
         let q_lora_rank = ld.usize_or("attention.q_lora_rank", 0)?;
         let kv_lora_rank = ld.usize("attention.kv_lora_rank")?;
@@ -155,6 +178,8 @@ impl Deepseek2 {
             )));
         }
         let gating = match ld.usize_or("expert_gating_func", 0)? {
+            // llama.cpp: "none" (or absent) is sigmoid for glm-dsa, softmax for DeepSeek-V2.
+            0 if glm => Gating::Sigmoid,
             0 | 1 => Gating::Softmax,
             2 => Gating::Sigmoid,
             other => {
@@ -166,6 +191,16 @@ impl Deepseek2 {
         let norm_weights = ld.bool_or("expert_weights_norm", false)?;
         let weights_scale = ld.f64_opt("expert_weights_scale")?.unwrap_or(1.0);
 
+        let dsa = if glm {
+            if q_lora_rank == 0 {
+                return Err(ReferenceError::Unsupported(
+                    "glm-dsa without a query latent (q_lora_rank 0)".to_string(),
+                ));
+            }
+            Some(Dsa::load(ld, n_layer, rope_dim, rope.base, freq_scale)?)
+        } else {
+            None
+        };
         let vocab = Vocab::load(ld, n_embd, src)?;
         let output_norm = ld.resident("output_norm.weight", &[n_embd])?;
         let mut m = Self {
@@ -191,6 +226,7 @@ impl Deepseek2 {
             vocab,
             output_norm,
             layers: Layers::Eager(Vec::new()),
+            dsa,
         };
         m.layers = Layers::load(ld, n_layer, src, |ld, i| m.load_layer(ld, i))?;
         Ok(m)
@@ -250,7 +286,12 @@ impl Deepseek2 {
                 shared,
             }))
         };
+        let indexer = match &self.dsa {
+            Some(dsa) => dsa.load_indexer(ld, i, q_lora_rank, n_embd, dsa.is_full(i))?,
+            None => None,
+        };
         Ok(Layer {
+            indexer,
             attn_norm: ld.tensor(&b("attn_norm"), &[n_embd])?,
             q,
             kv_a: ld.weight(&b("attn_kv_a_mqa"), &[kv_lora_rank + rope_dim, n_embd])?,
@@ -283,6 +324,28 @@ impl Deepseek2 {
         self.hidden_routed(tokens, taps, &Forced::new())
     }
 
+    /// The indexer scores of full layer `layer` on `tokens` (see
+    /// [`crate::ReferenceModel::indexer_scores`]): the forward runs up to that layer.
+    pub fn indexer_scores(&self, tokens: &[u32], layer: usize) -> Result<Vec<Vec<f64>>> {
+        let Some(dsa) = &self.dsa else {
+            return Err(ReferenceError::Unsupported(
+                "indexer scores of a model without a lightning indexer".to_string(),
+            ));
+        };
+        if !dsa.is_full(layer) || layer >= self.layers.len() {
+            return Err(ReferenceError::Unsupported(format!(
+                "indexer scores of layer {layer}: not a full indexer layer"
+            )));
+        }
+        dsa.record(layer);
+        let run = self.hidden_routed(tokens, &mut |_, _, _| {}, &Forced::new());
+        let scores = dsa.take_recorded();
+        run?;
+        scores.ok_or_else(|| {
+            ReferenceError::Unsupported(format!("layer {layer}'s indexer did not run"))
+        })
+    }
+
     /// The routing of layer `i`: `None` for a dense layer.
     pub fn routing(&self, i: usize) -> Result<Option<Routing>> {
         if i >= self.layers.len() {
@@ -313,25 +376,44 @@ impl Deepseek2 {
     /// [`Self::hidden`] with the experts of some `(layer, token)`s chosen by `forced` instead
     /// of by the router (their weights are still the router's probabilities of those experts).
     pub fn hidden_routed(&self, tokens: &[u32], taps: Taps<'_>, forced: &Forced) -> Result<Tensor> {
+        self.hidden_forced(tokens, taps, forced, &ForcedSelections::new())
+    }
+
+    /// [`Self::hidden_routed`] with the indexer's selection of some `(layer, query)`s forced
+    /// (see [`crate::ReferenceModel::forward_hidden_selected`]).
+    pub fn hidden_forced(
+        &self,
+        tokens: &[u32],
+        taps: Taps<'_>,
+        forced: &Forced,
+        selections: &ForcedSelections,
+    ) -> Result<Tensor> {
+        if self.dsa.is_none() && !selections.is_empty() {
+            return Err(ReferenceError::Unsupported(
+                "forced indexer selections for a model without a lightning indexer".to_string(),
+            ));
+        }
         let n = tokens.len();
         let (h, nope, rd, vd) = (self.n_head, self.nope, self.rope_dim, self.v_dim);
         let mut x = self.vocab.embed(tokens)?;
         tap(taps, "embed", &x)?;
         let mask = causal_mask(n, None, x.dtype())?;
         let scale = 1.0 / ((nope + rd) as f64).sqrt();
+        let mut sparse: Option<Tensor> = None;
         for i in 0..self.layers.len() {
             let l = self.layers.get(i, |ld, i| self.load_layer(ld, i))?;
             let name = |s: &str| format!("blk.{i}.{s}");
             let a_in = rms_norm(&x, &l.attn_norm, self.eps)?;
             tap(taps, &name("attn_norm"), &a_in)?;
 
-            let q = match &l.q {
-                Query::Direct(w) => linear(&a_in, w)?,
+            let (q, q_latent) = match &l.q {
+                Query::Direct(w) => (linear(&a_in, w)?, None),
                 Query::LowRank { a, norm, b } => {
-                    linear(&rms_norm(&linear(&a_in, a)?, norm, self.eps)?, b)?
+                    let qr = rms_norm(&linear(&a_in, a)?, norm, self.eps)?;
+                    (linear(&qr, b)?, Some(qr))
                 }
-            }
-            .reshape((n, h, nope + rd))?;
+            };
+            let q = q.reshape((n, h, nope + rd))?;
             let q_nope = q.narrow(2, 0, nope)?;
             let q_pe = self.rope.apply(&q.narrow(2, nope, rd)?)?;
             let q = Tensor::cat(&[&q_nope, &q_pe], 2)?;
@@ -368,7 +450,29 @@ impl Deepseek2 {
             tap(taps, &name("q"), &q)?;
             tap(taps, &name("k"), &k)?;
             tap(taps, &name("v"), &v)?;
-            let att = attention(&q, &k, &v, scale, &mask)?;
+            // glm-dsa: a full layer's indexer selects each query's positions; a shared layer
+            // keeps the last full layer's selection.
+            if let Some(dsa) = &self.dsa {
+                if dsa.is_full(i) {
+                    let (Some(ix), Some(qr)) = (&l.indexer, &q_latent) else {
+                        return Err(ReferenceError::Unsupported(format!(
+                            "glm-dsa full layer {i} without its indexer or query latent"
+                        )));
+                    };
+                    let selected = dsa.select(ix, &a_in, qr, i, selections, taps)?;
+                    sparse = Some(Dsa::mask(&selected, x.dtype())?);
+                }
+            }
+            let layer_mask = match (&self.dsa, &sparse) {
+                (None, _) => &mask,
+                (Some(_), Some(m)) => m,
+                (Some(_), None) => {
+                    return Err(ReferenceError::Unsupported(format!(
+                        "glm-dsa shared layer {i} before any full layer"
+                    )))
+                }
+            };
+            let att = attention(&q, &k, &v, scale, layer_mask)?;
             tap(taps, &name("attn"), &att)?;
             let att = linear(&att, &l.wo)?;
             tap(taps, &name("attn_out"), &att)?;

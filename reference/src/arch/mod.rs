@@ -1,4 +1,4 @@
-//! The three architectures, one module each, sharing the loader and [`crate::ops`].
+//! The architectures, one module each (`glm-dsa` extends `deepseek2`), sharing the loader and [`crate::ops`].
 //!
 //! Each architecture reads its configuration once, then its weights layer by layer through one
 //! function (`load_layer`). [`Layers`] and [`Vocab`] decide when that happens: all at load time
@@ -8,6 +8,7 @@
 
 pub(crate) mod deepseek2;
 pub(crate) mod gemma3;
+pub(crate) mod glm_dsa;
 pub(crate) mod llama;
 
 use std::ops::Deref;

@@ -234,6 +234,29 @@ const FAULTS: &[Expectation] = &[
         case: "llama/q8_0/cuda-emu/tp1-shm/off",
         expect: "blk.0.q",
     },
+    // glm-dsa (layers 0 and 2 full indexers, top-k 8 of verify's 32 tokens; the Q8_0 fixture,
+    // whose clean run passes — the Q4_K one has a near-tie selection flip at blk.0 query 23):
+    // the first full layer's selection is the first tap computed from the transposed scores.
+    Expectation {
+        fault: Fault::IndexerTopKWrongAxis,
+        case: "glm-dsa/q8_0/*/tp1-shm/off",
+        expect: "blk.0.indexer_top_k",
+    },
+    // Layer 2 (full) reuses layer 0's selection: its tap shows layer 0's positions, but layer 2
+    // follows the MoE layer 1, whose route-flip allowance (NMSE 0.1) covers a selection's
+    // positions; the attention over the wrong cells is the first tap past it (measured with
+    // golden's engine_vs_reference under the fault: NMSE 0.316).
+    Expectation {
+        fault: Fault::IndexerFullLayerReuses,
+        case: "glm-dsa/q8_0/*/tp1-shm/off",
+        expect: "blk.2.attn",
+    },
+    // The indexer's query heads half-swapped at load: layer 0's selection is the first tap.
+    Expectation {
+        fault: Fault::IndexerWeightsShardOrder,
+        case: "glm-dsa/q8_0/*/tp1-shm/off",
+        expect: "blk.0.indexer_top_k",
+    },
 ];
 
 struct Outcome {

@@ -69,10 +69,10 @@ fn preflight(path: &Path) -> Result<()> {
 fn inspect(path: &Path) -> Result<FileInfo> {
     let g = Gguf::open(path).with_context(|| format!("engine: opening {}", path.display()))?;
     let arch = g.architecture().context("engine: general.architecture")?;
-    if !matches!(arch, "llama" | "gemma3" | "deepseek2") {
+    if !matches!(arch, "llama" | "gemma3" | "deepseek2" | "glm-dsa") {
         bail!(
-            "--model {}: architecture `{arch}` is not supported (verify knows llama, gemma3 and \
-             deepseek2)",
+            "--model {}: architecture `{arch}` is not supported (verify knows llama, gemma3, \
+             deepseek2 and glm-dsa)",
             path.display()
         );
     }

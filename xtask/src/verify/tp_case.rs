@@ -286,7 +286,7 @@ mod tests {
         let archs: BTreeSet<&str> = plans.iter().map(|(_, a, _)| a.as_str()).collect();
         assert_eq!(
             archs,
-            BTreeSet::from(["deepseek2", "gemma3", "llama"]),
+            BTreeSet::from(["deepseek2", "gemma3", "glm-dsa", "llama"]),
             "every fixture architecture has TP cases"
         );
         let (mut kv_split, mut kv_replicated, mut cut_fallback) = (false, false, false);
@@ -298,7 +298,7 @@ mod tests {
                 heads.iter().all(|&h| h >= 1 && h == heads[0]),
                 "{model}: query heads per rank {heads:?}"
             );
-            let q = if arch == "deepseek2" {
+            let q = if arch == "deepseek2" || arch == "glm-dsa" {
                 ["blk.0.attn_q", "blk.0.attn_q_b"]
                     .iter()
                     .find_map(|n| plan.tensor(&format!("{n}.weight")))

@@ -55,6 +55,8 @@ pub(crate) fn dense(
         activation: Activation::Silu,
         mla: None,
         moe: None,
+        dsa: None,
+        n_nextn: 0,
     }
 }
 
