@@ -116,10 +116,6 @@ pub enum Fault {
     /// `freq_scale` passed in each other's place (both f32, so the launch's argument check
     /// cannot see it). First seen at `blk.0.q` on the CUDA backend.
     CudaRopeArgsSwapped,
-}
-
-impl Fault {
-    pub const ALL: [Fault; 31] = [
     /// The lightning indexer's top-k taken over the wrong axis: each query ranks the scores of
     /// its column (every query's score for one cell) instead of its row, as a kernel reading
     /// the `[query, cell]` scores transposed would (`model/forward.rs`, `indexer_select`; only
