@@ -124,9 +124,8 @@ pub enum Fault {
     IndexerTopKWrongAxis,
     /// A full indexer layer after the first reuses the previous full layer's selection instead
     /// of computing its own, as a shared layer does (`model/forward.rs`, `mla_attention`; its
-    /// `indexer_top_k` tap shows the selection it used). First seen at `blk.2.attn` of the
-    /// glm-dsa fixture (layers 0 and 2 full; the selection tap of layer 2, after the MoE layer
-    /// 1, is within the route-flip allowance).
+    /// `indexer_top_k` tap shows the selection it used). First seen at `blk.2.indexer_top_k` of
+    /// the glm-dsa fixture (layers 0 and 2 full) by verify's layer-isolated comparison.
     IndexerFullLayerReuses,
     /// The indexer's `attn_q_b` loaded with its two halves of heads swapped, as a loader placing
     /// the weight's shards (or dequantized blocks) in the wrong order would — GLM-5's original
