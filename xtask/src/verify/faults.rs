@@ -362,10 +362,13 @@ fn run_one(exe: &PathBuf, args: &Args, case: &str, fault: Option<Fault>) -> Resu
     ])
     .arg("--out")
     .arg(&out_dir);
-    if case.contains("cuda-emu") {
-        // The emulated CUDA cases are only in the matrix with --cuda-emu.
-        cmd.arg("--cuda-emu");
-    }
+    // A CUDA fault runs its emulated case (even beside a GPU); the others run the CPU cases
+    // their glob names, not the emulated ones the default matrix adds where no GPU is present.
+    cmd.arg(if case.contains("cuda-emu") {
+        "--cuda-emu"
+    } else {
+        "--no-cuda-emu"
+    });
     match fault {
         Some(f) => cmd.env(engine::faults::ENV_VAR, f.name()),
         None => cmd.env_remove(engine::faults::ENV_VAR),
