@@ -435,12 +435,9 @@ impl Held {
                 else {
                     bail!("logits rows {rows:?} are missing on one side");
                 };
-                let with_target = rows.start..rows.end.min(r.tokens.len() - 1);
-                let k = with_target.len() * n_vocab;
-                let targets = &r.tokens[with_target.start + 1..with_target.end + 1];
-                stats.push(&refl[..k], &eng[..k], targets)?;
-                let tap = |d: &[f32]| Tap::new("logits", vec![rows.len(), n_vocab], d.to_vec());
-                full.push(rows.clone(), &[tap(eng)], &[tap(refl)], policy, ctx);
+                push_e2e_logits(
+                    &rows, refl, eng, &r.tokens, n_vocab, full, stats, policy, ctx,
+                )?;
                 start = rows.end;
             }
             full.close_block();
@@ -558,6 +555,34 @@ fn compare_paths(
     })
 }
 
+/// How many of `rows` have a next token in the text (position t predicts token t+1; the last
+/// position has none), and those tokens.
+fn with_targets<'t>(rows: &Range<usize>, tokens: &'t [u32]) -> (usize, &'t [u32]) {
+    let end = rows.end.min(tokens.len() - 1);
+    (end - rows.start, &tokens[rows.start + 1..end + 1])
+}
+
+/// End to end over the logits rows `rows`: the coherence statistics of the rows with a next
+/// token, and the `logits` tap of the comparison.
+#[allow(clippy::too_many_arguments)]
+fn push_e2e_logits(
+    rows: &Range<usize>,
+    reference: &[f32],
+    engine: &[f32],
+    tokens: &[u32],
+    n_vocab: usize,
+    full: &mut ChunkedComparison,
+    stats: &mut LogitAccumulator,
+    policy: &TolerancePolicy,
+    ctx: &CaseContext,
+) -> Result<()> {
+    let (n, targets) = with_targets(rows, tokens);
+    stats.push(&reference[..n * n_vocab], &engine[..n * n_vocab], targets)?;
+    let tap = |d: &[f32]| Tap::new("logits", vec![rows.len(), n_vocab], d.to_vec());
+    full.push(rows.clone(), &[tap(engine)], &[tap(reference)], policy, ctx);
+    Ok(())
+}
+
 /// The reference's logits for the pending rows (both precisions, from their `output_norm`
 /// rows, at most [`LOGIT_BLOCK`] rows per head pass), compared with the engine's: as the
 /// `logits` tap of each comparison, and row by row for the coherence statistics (position t
@@ -599,11 +624,8 @@ fn compare_logits(
                 .to_vec()
         };
         let (iso, plain) = (engine(&p.isolated), engine(&p.plain));
-        // Rows with a next token in the text.
-        let with_target = rows.start..rows.end.min(r.tokens.len() - 1);
-        let k = with_target.len() * n_vocab;
-        let targets = &r.tokens[with_target.start + 1..with_target.end + 1];
-        noise.push(&ref_f32[..k], &ref_exact[..k], targets)?;
+        let (n, targets) = with_targets(&rows, &r.tokens);
+        noise.push(&ref_f32[..n * n_vocab], &ref_exact[..n * n_vocab], targets)?;
         let tap = |data: Vec<f32>| Tap::new("logits", vec![rows.len(), n_vocab], data);
         isolated.push(
             rows.clone(),
@@ -613,8 +635,9 @@ fn compare_logits(
             &exact_ctx,
         );
         if let Some((full, stats)) = e2e.as_mut() {
-            stats.push(&ref_f32[..k], &plain[..k], targets)?;
-            full.push(rows.clone(), &[tap(plain)], &[tap(ref_f32)], policy, ctx);
+            push_e2e_logits(
+                &rows, &ref_f32, &plain, &r.tokens, n_vocab, full, stats, policy, ctx,
+            )?;
         }
         start = rows.end;
     }
