@@ -147,6 +147,8 @@ pub type ForcedRoutes = std::collections::BTreeMap<(usize, usize), Vec<usize>>;
 /// reuse the forced selection, as they reuse a computed one.
 pub type ForcedSelections = std::collections::BTreeMap<(usize, usize), Vec<usize>>;
 
+pub use arch::glm_dsa::IndexerScores;
+
 /// When the weights are read and dequantized.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Residency {
@@ -500,6 +502,30 @@ impl ReferenceModel {
                 "forced indexer selections for {}, which has no lightning indexer",
                 self.architecture
             ))),
+        }
+    }
+
+    /// [`Self::forward_hidden_selected`], and the lightning indexer's scores of every full
+    /// layer of that forward (`glm-dsa`; empty for a model without an indexer): what each
+    /// selection ranked, for judging whether a different selection on the other side is a
+    /// near-tie. Scores are `[query][key position ≤ query]` in f64.
+    pub fn forward_hidden_scored(
+        &self,
+        tokens: &[u32],
+        routes: &ForcedRoutes,
+        selections: &ForcedSelections,
+        taps: &mut TapObserver<'_>,
+    ) -> Result<(Vec<f32>, IndexerScores), ReferenceError> {
+        match &self.arch {
+            Arch::Deepseek2(m) => {
+                self.check_tokens(tokens)?;
+                let (hidden, scores) = m.hidden_forced_scored(tokens, taps, routes, selections)?;
+                Ok((to_host(&hidden)?, scores))
+            }
+            _ => Ok((
+                self.forward_hidden_selected(tokens, routes, selections, taps)?,
+                IndexerScores::new(),
+            )),
         }
     }
 

@@ -25,7 +25,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 
-use super::glm_dsa::{Dsa, Indexer};
+use super::glm_dsa::{Dsa, Indexer, IndexerScores};
 use super::{Experts, Layers, Loader, Streamer, Vocab};
 use crate::error::ReferenceError;
 use crate::ops::{
@@ -337,13 +337,34 @@ impl Deepseek2 {
                 "indexer scores of layer {layer}: not a full indexer layer"
             )));
         }
-        dsa.record(layer);
+        dsa.record(Some(layer));
         let run = self.hidden_routed(tokens, &mut |_, _, _| {}, &Forced::new());
-        let scores = dsa.take_recorded();
+        let scores = dsa.take_recorded().remove(&layer);
         run?;
         scores.ok_or_else(|| {
             ReferenceError::Unsupported(format!("layer {layer}'s indexer did not run"))
         })
+    }
+
+    /// [`Self::hidden_forced`], and the indexer scores of every full layer of that forward
+    /// (empty without an indexer).
+    pub fn hidden_forced_scored(
+        &self,
+        tokens: &[u32],
+        taps: Taps<'_>,
+        forced: &Forced,
+        selections: &ForcedSelections,
+    ) -> Result<(Tensor, IndexerScores)> {
+        let Some(dsa) = &self.dsa else {
+            return Ok((
+                self.hidden_forced(tokens, taps, forced, selections)?,
+                IndexerScores::new(),
+            ));
+        };
+        dsa.record(None);
+        let run = self.hidden_forced(tokens, taps, forced, selections);
+        let scores = dsa.take_recorded();
+        Ok((run?, scores))
     }
 
     /// The routing of layer `i`: `None` for a dense layer.

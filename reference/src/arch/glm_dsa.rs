@@ -48,13 +48,22 @@ pub(crate) struct Dsa {
     /// Per trunk layer: computes a fresh selection (true) or reuses the last one (false).
     full: Vec<bool>,
     eps: f64,
-    /// A layer whose scores the next forward keeps, and what it kept
+    /// The layers whose scores the next forwards keep, and what they kept
     /// ([`Dsa::record`], [`Dsa::take_recorded`]).
     recorded: Mutex<Recorded>,
 }
 
-/// The layer whose scores to keep, and the scores kept (`[query][position ≤ query]`).
-type Recorded = (Option<usize>, Option<Vec<Vec<f64>>>);
+/// Which full layers' scores to keep (`None`: every one), and the scores kept by layer
+/// (`[query][position ≤ query]`); nothing is kept while `active` is false.
+#[derive(Default)]
+struct Recorded {
+    active: bool,
+    layer: Option<usize>,
+    scores: IndexerScores,
+}
+
+/// A forward's indexer scores by full layer, `[query][key position ≤ query]` in f64.
+pub type IndexerScores = std::collections::BTreeMap<usize, Vec<Vec<f64>>>;
 
 /// One layer's indexer weights.
 pub(crate) struct Indexer {
@@ -119,20 +128,23 @@ impl Dsa {
             },
             full,
             eps: ld.f64_opt("attention.layer_norm_epsilon")?.unwrap_or(1e-6),
-            recorded: Mutex::new((None, None)),
+            recorded: Mutex::new(Recorded::default()),
         })
     }
 
-    /// Keep the scores of layer `layer` when the next forward computes them.
-    pub fn record(&self, layer: usize) {
-        *self.recorded.lock().unwrap_or_else(|p| p.into_inner()) = (Some(layer), None);
+    /// Keep the scores of full layer `layer` (`None`: of every full layer) when the next
+    /// forward computes them.
+    pub fn record(&self, layer: Option<usize>) {
+        *self.recorded.lock().unwrap_or_else(|p| p.into_inner()) = Recorded {
+            active: true,
+            layer,
+            scores: IndexerScores::new(),
+        };
     }
 
-    /// The scores kept since [`Dsa::record`] (`[query][position ≤ query]`), and stop keeping.
-    pub fn take_recorded(&self) -> Option<Vec<Vec<f64>>> {
-        let mut r = self.recorded.lock().unwrap_or_else(|p| p.into_inner());
-        r.0 = None;
-        r.1.take()
+    /// The scores kept since [`Dsa::record`], by layer, and stop keeping.
+    pub fn take_recorded(&self) -> IndexerScores {
+        std::mem::take(&mut *self.recorded.lock().unwrap_or_else(|p| p.into_inner())).scores
     }
 
     /// Whether trunk layer `i` computes its own selection.
@@ -197,14 +209,13 @@ impl Dsa {
             .to_vec2::<f64>()?;
         {
             let mut r = self.recorded.lock().unwrap_or_else(|p| p.into_inner());
-            if r.0 == Some(i) {
-                r.1 = Some(
-                    scores
-                        .iter()
-                        .enumerate()
-                        .map(|(t, row)| row[..=t].to_vec())
-                        .collect(),
-                );
+            if r.active && r.layer.is_none_or(|l| l == i) {
+                let visible = scores
+                    .iter()
+                    .enumerate()
+                    .map(|(t, row)| row[..=t].to_vec())
+                    .collect();
+                r.scores.insert(i, visible);
             }
         }
         let mut selected = Vec::with_capacity(n);

@@ -17,6 +17,7 @@ mod path_case;
 mod reference_runs;
 mod routes;
 mod rss;
+mod selections;
 mod serve_case;
 mod spec_case;
 mod teacher_forced;
@@ -139,15 +140,7 @@ pub fn verify(args: &Args) -> Result<Report> {
         all.extend(Matrix::emulated(&models.entries));
     }
     tp_case::extend(&mut all, &mut models, &mut machine);
-    let mut cases = filter.apply(all);
-    // glm-dsa is opt-in until verify compares the indexer's selection route-aware: its Q4_K
-    // fixture's teacher-forced case has a near-tie selection flip (blk.0, query 23) that the
-    // comparison does not follow yet (issue 30). Selected by name or axis, it runs.
-    let names_glm = args.only.iter().any(|o| o.contains("glm-dsa"))
-        || args.filter.iter().any(|f| f.starts_with("glm-dsa"));
-    if !names_glm {
-        cases.retain(|c| !c.model.starts_with("glm-dsa"));
-    }
+    let cases = filter.apply(all);
     if cases.is_empty() {
         bail!("no case matches the filters");
     }

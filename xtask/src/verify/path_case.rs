@@ -36,12 +36,13 @@ use harness::gate::GateResult;
 use harness::report::{CaseResult, Figure};
 use harness::tap::{Tap, TapKind};
 use harness::tolerance::{CaseContext, Numerics, TolerancePolicy};
-use reference::{Precision, ReferenceModel, Residency, Routing};
+use reference::{IndexerScores, Precision, ReferenceModel, Residency, Routing};
 
 use super::common::TEXT;
 use super::gates::{logit_thresholds, tokens_gate};
 use super::isolate::Isolating;
 use super::routes::Flip;
+use super::selections::SelectionFlip;
 
 /// Chunk sizes of the chunked prefill, repeated until the text is used up (the last chunk is
 /// what is left). Odd, so no chunk is a multiple of the 4×4 micro-tile, of the 4 query heads a
@@ -136,6 +137,8 @@ pub struct PathReference {
     exact_taps: Vec<Tap>,
     /// How each MoE layer chooses its experts (empty for a dense model).
     routing: BTreeMap<usize, Routing>,
+    /// The exact reference's indexer scores by full layer (`glm-dsa`; empty otherwise).
+    exact_scores: IndexerScores,
     seconds: f64,
 }
 
@@ -184,19 +187,25 @@ impl PathReference {
             path.display()
         );
         let tokens = text_ids[..n.unwrap_or(text_ids.len())].to_vec();
-        let hidden_taps = |m: &ReferenceModel, what: &str| -> Result<Vec<Tap>> {
+        let hidden_taps = |m: &ReferenceModel, what: &str| -> Result<(Vec<Tap>, IndexerScores)> {
             let mut taps = Vec::new();
-            m.forward_hidden(&tokens, &mut |name, shape, data| {
-                taps.push(Tap::new(name, shape.to_vec(), data.to_vec()))
-            })
-            .with_context(|| {
-                format!("{what} reference forward pass over {} tokens", tokens.len())
-            })?;
-            Ok(taps)
+            let (_, scores) = m
+                .forward_hidden_scored(
+                    &tokens,
+                    &Default::default(),
+                    &Default::default(),
+                    &mut |name, shape, data| {
+                        taps.push(Tap::new(name, shape.to_vec(), data.to_vec()))
+                    },
+                )
+                .with_context(|| {
+                    format!("{what} reference forward pass over {} tokens", tokens.len())
+                })?;
+            Ok((taps, scores))
         };
-        let f32_taps = hidden_taps(&f32_model, "f32")?;
+        let (f32_taps, _) = hidden_taps(&f32_model, "f32")?;
         let exact_model = open(Precision::Exact)?;
-        let exact_taps = hidden_taps(&exact_model, "exact-numerics")?;
+        let (exact_taps, exact_scores) = hidden_taps(&exact_model, "exact-numerics")?;
         let routing = super::routes::routing_of(&exact_model, &exact_taps)?;
         Ok(PathReference {
             key: (path.to_owned(), tokens.len()),
@@ -207,6 +216,7 @@ impl PathReference {
             f32_taps,
             exact_taps,
             routing,
+            exact_scores,
             seconds: started.elapsed().as_secs_f64(),
         })
     }
@@ -247,14 +257,15 @@ struct CallCheck<'a> {
 /// One engine forward call over `chunk`, the tokens at positions `check.rows`, its taps (all
 /// but the logits) compared with the reference's rows for those positions. With `isolate`,
 /// every layer runs on the reference's residual stream, and the comparison is MoE route-aware
-/// (super::routes): where the engine's router chose other experts than the reference's inside
-/// the tie margin, that layer is compared with the reference following the engine's choice;
-/// every flip is added to `flips`. Returns the call's logits tap.
+/// (super::routes) and selection-aware (super::selections): where the engine's router chose
+/// other experts, or its indexer other positions, than the reference's inside the tie margin,
+/// that layer is compared with the reference following the engine's choice; every flip is
+/// added to `flips`. Returns the call's logits tap.
 fn call(
     session: &mut Session<'_, AnyEngine<'_>>,
     chunk: &[u32],
     check: CallCheck<'_>,
-    isolate: Option<(&PathReference, &mut Vec<Flip>)>,
+    isolate: Option<(&PathReference, &mut Flips)>,
     policy: &TolerancePolicy,
 ) -> Result<Tap> {
     let rows = check.rows;
@@ -279,15 +290,30 @@ fn call(
             super::routes::flips(&r.routing, &taps, &reference, &|_| router_bound),
             rows.start,
         );
-        let per_layer = super::routes::forced_runs(&r.exact_model, &r.tokens, &flips)?;
+        let indexer_bound = policy
+            .exact_tolerance(TapKind::IndexerTopK, check.ctx)
+            .nmse_max;
+        let selection_flips =
+            super::selections::flips(&taps, check.reference, &r.exact_scores, rows.start, &|_| {
+                indexer_bound
+            });
+        let following = super::routes::Following {
+            routes: super::routes::forced(&flips),
+            selections: super::selections::forced(&selection_flips),
+        };
+        let per_layer = super::routes::forced_runs(&r.exact_model, &r.tokens, &following)?;
         if !per_layer.is_empty() {
-            let rows_of: BTreeMap<usize, Vec<Tap>> = per_layer
+            let rows_of = per_layer
                 .into_iter()
-                .map(|(layer, t)| (layer, slice_rows(&t, &rows)))
+                .map(|(layer, run)| {
+                    let taps = slice_rows(&run.taps, &rows);
+                    (layer, super::routes::LayerRun { taps, ..run })
+                })
                 .collect();
             reference = super::routes::follow(&reference, &rows_of);
         }
-        all_flips.extend(flips);
+        all_flips.routes.extend(flips);
+        all_flips.selections.extend(selection_flips);
     }
     check
         .comparison
@@ -304,6 +330,15 @@ struct Pending {
     plain: Vec<f32>,
 }
 
+/// The near-tie flips of the layer-isolated calls (positions of the whole text).
+#[derive(Default)]
+struct Flips {
+    /// Expert choices (MoE).
+    routes: Vec<Flip>,
+    /// Indexer selections (`glm-dsa`).
+    selections: Vec<SelectionFlip>,
+}
+
 /// What the case measured, before it is judged.
 struct Compared {
     isolated: ChunkedComparison,
@@ -311,10 +346,11 @@ struct Compared {
     stats: LogitStats,
     noise: LogitStats,
     calls: usize,
-    /// The expert-choice flips of the layer-isolated calls (positions of the whole text).
-    flips: Vec<Flip>,
-    /// End-to-end expert choices of the engine the f32 reference followed (near-ties).
-    followed: usize,
+    /// The near-tie flips of the layer-isolated calls.
+    flips: Flips,
+    /// End-to-end expert choices and indexer selections of the engine the f32 reference
+    /// followed (near-ties).
+    followed: (usize, usize),
     seconds: f64,
 }
 
@@ -353,7 +389,8 @@ impl Held {
     }
 
     /// Compare the held calls with the f32 reference following the engine's near-tie expert
-    /// choices, block by block as the streamed comparison does; returns the flips followed.
+    /// choices and indexer selections, block by block as the streamed comparison does;
+    /// returns the expert choices and the selections followed.
     fn judge(
         self,
         r: &PathReference,
@@ -362,13 +399,20 @@ impl Held {
         policy: &TolerancePolicy,
         ctx: &CaseContext,
         n_layers: usize,
-    ) -> Result<usize> {
+    ) -> Result<(usize, usize)> {
         let n_vocab = r.f32_model.vocab_size();
-        let routers: Vec<Tap> = r
+        // The engine's router and indexer taps over the whole path, call after call.
+        let names = r
             .routing
             .keys()
-            .map(|layer| {
-                let name = format!("blk.{layer}.router");
+            .map(|layer| format!("blk.{layer}.router"))
+            .chain(
+                r.exact_scores
+                    .keys()
+                    .map(|layer| format!("blk.{layer}.indexer_top_k")),
+            );
+        let choices: Vec<Tap> = names
+            .map(|name| {
                 let mut data = Vec::new();
                 let mut width = 0;
                 for (_, taps) in &self.calls {
@@ -380,20 +424,18 @@ impl Held {
                 Tap::new(name, vec![data.len() / width.max(1), width], data)
             })
             .collect();
-        let bound = |layer: usize| {
-            policy
-                .tolerance(TapKind::Router, Some(layer), n_layers, ctx)
-                .nmse_max
-        };
+        let bound =
+            |kind| move |layer: usize| policy.tolerance(kind, Some(layer), n_layers, ctx).nmse_max;
         let (reference, followed) = match super::routes::follow_end_to_end(
             &r.f32_model,
             &r.tokens,
             &r.routing,
-            &routers,
+            &choices,
             &r.f32_taps,
-            &bound,
+            &bound(TapKind::Router),
+            &bound(TapKind::IndexerTopK),
         )? {
-            Some(f) => f,
+            Some(f) => (f.taps, (f.routes, f.selections)),
             None => {
                 let normed = r
                     .f32_taps
@@ -406,7 +448,7 @@ impl Held {
                     .context("f32 reference head")?;
                 let mut taps = r.f32_taps.clone();
                 taps.push(Tap::new("logits", vec![r.tokens.len(), n_vocab], logits));
-                (taps, 0)
+                (taps, (0, 0))
             }
         };
         let (logits, hidden): (Vec<&Tap>, Vec<&Tap>) =
@@ -467,8 +509,9 @@ fn compare_paths(
     let mut iso_session = Session::new(engine, n + 1)?;
     let mut session = Session::new(engine, n + 1)?;
     let mut pending = Pending::default();
-    let mut flips = Vec::new();
-    let mut held = (!r.routing.is_empty()).then(Held::default);
+    let mut flips = Flips::default();
+    // A model with choices that can flip at a near-tie (experts, indexer selections).
+    let mut held = (!r.routing.is_empty() || !r.exact_scores.is_empty()).then(Held::default);
     let mut start = 0;
     for (i, &size) in sizes.iter().enumerate() {
         let rows = start..start + size;
@@ -541,7 +584,7 @@ fn compare_paths(
     }
     let followed = match held {
         Some(h) => h.judge(r, &mut full, &mut stats, policy, ctx, engine.n_layers())?,
-        None => 0,
+        None => (0, 0),
     };
     Ok(Compared {
         isolated,
@@ -685,7 +728,10 @@ pub fn run(
     let thresholds = logit_thresholds(&ctx, Some(&c.noise), has_router);
     let mut gates: Vec<GateResult> = vec![tokens_gate];
     if !r.routing.is_empty() {
-        gates.push(super::routes::gate(&c.flips));
+        gates.push(super::routes::gate(&c.flips.routes));
+    }
+    if !r.exact_scores.is_empty() {
+        gates.push(super::selections::gate(&c.flips.selections));
     }
     gates.extend(c.stats.gates(&thresholds));
 
@@ -709,7 +755,7 @@ pub fn run(
         )
     });
     let max_nmse = |c: &Comparison| c.taps.iter().map(|t| t.metrics.nmse).fold(0.0, f64::max);
-    let figures = vec![
+    let mut figures = vec![
         Figure::new("positions", r.tokens.len() as f64, ""),
         Figure::new("forward_calls", c.calls as f64, ""),
         Figure::new("mean_kld", c.stats.kld_mean, ""),
@@ -719,10 +765,17 @@ pub fn run(
         Figure::new("noise_same_top1", c.noise.same_top1_rate, ""),
         Figure::new("max_nmse", max_nmse(&full), ""),
         Figure::new("isolated_max_nmse", max_nmse(&isolated), ""),
-        Figure::new("e2e_route_flips_followed", c.followed as f64, ""),
+        Figure::new("e2e_route_flips_followed", c.followed.0 as f64, ""),
         Figure::new("reference_s", r.seconds, "s"),
         Figure::new("engine_s", c.seconds, "s"),
     ];
+    if !r.exact_scores.is_empty() {
+        figures.push(Figure::new(
+            "e2e_selection_flips_followed",
+            c.followed.1 as f64,
+            "",
+        ));
+    }
     let n_layers = engine.n_layers();
     Ok(CaseResult::judged(&name, Some(&isolated), gates, figures)
         .with_divergence_mode(&mode)

@@ -20,7 +20,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use anyhow::{Context, Result};
 use harness::gate::GateResult;
 use harness::tap::{Tap, TapId, TapKind};
-use reference::{ForcedRoutes, ReferenceModel, Routing};
+use reference::{ForcedRoutes, ForcedSelections, IndexerScores, ReferenceModel, Routing};
 
 /// One token whose experts differ.
 #[derive(Debug, Clone, PartialEq)]
@@ -124,78 +124,165 @@ pub fn at_offset(mut flips: Vec<Flip>, start: usize) -> Vec<Flip> {
     flips
 }
 
-/// The reference's taps over `tokens` following the engine's choice of each flip inside the
-/// margin, one forced run per flipped layer (layer-isolated: each run forces one layer, so
-/// every other layer sees the unforced reference's input), by layer. Empty when nothing is
-/// followed.
+/// What the reference is made to follow: the engine's expert choices (MoE) and the engine's
+/// indexer selections (`glm-dsa`, [`super::selections`]) at near-ties.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Following {
+    pub routes: ForcedRoutes,
+    pub selections: ForcedSelections,
+}
+
+impl Following {
+    pub fn is_empty(&self) -> bool {
+        self.routes.is_empty() && self.selections.is_empty()
+    }
+
+    fn layers(&self) -> BTreeSet<usize> {
+        self.routes
+            .keys()
+            .chain(self.selections.keys())
+            .map(|&(l, _)| l)
+            .collect()
+    }
+
+    /// The part of `self` at `layer`.
+    fn at(&self, layer: usize) -> Following {
+        let mine = |m: &BTreeMap<(usize, usize), Vec<usize>>| {
+            m.iter()
+                .filter(|((l, _), _)| *l == layer)
+                .map(|(k, v)| (*k, v.clone()))
+                .collect()
+        };
+        Following {
+            routes: mine(&self.routes),
+            selections: mine(&self.selections),
+        }
+    }
+}
+
+/// One layer's forced run of [`forced_runs`]: its taps, and whether it followed a selection
+/// (then everything of the layer from the indexer on is the forced run's).
+pub struct LayerRun {
+    pub taps: Vec<Tap>,
+    pub selection: bool,
+}
+
+/// The reference's taps over `tokens` following `what` (the engine's choices inside the
+/// margin), one forced run per layer (layer-isolated: each run forces one layer, so every other
+/// layer sees the unforced reference's input), by layer. Empty when nothing is followed.
 pub fn forced_runs(
     model: &ReferenceModel,
     tokens: &[u32],
-    flips: &[Flip],
-) -> Result<BTreeMap<usize, Vec<Tap>>> {
-    let forced = forced(flips);
-    let layers: BTreeSet<usize> = forced.keys().map(|&(l, _)| l).collect();
+    what: &Following,
+) -> Result<BTreeMap<usize, LayerRun>> {
     let mut per_layer = BTreeMap::new();
-    for layer in layers {
-        let mine: ForcedRoutes = forced
-            .iter()
-            .filter(|((l, _), _)| *l == layer)
-            .map(|(k, v)| (*k, v.clone()))
-            .collect();
+    for layer in what.layers() {
+        let mine = what.at(layer);
         let mut taps = Vec::new();
         model
-            .forward_hidden_routed(tokens, &mine, &mut |name, shape, data| {
-                taps.push(Tap::new(name, shape.to_vec(), data.to_vec()))
-            })
+            .forward_hidden_selected(
+                tokens,
+                &mine.routes,
+                &mine.selections,
+                &mut |name, shape, data| taps.push(Tap::new(name, shape.to_vec(), data.to_vec())),
+            )
             .with_context(|| {
-                format!("the reference following the engine's experts at layer {layer}")
+                format!("the reference following the engine's choices at layer {layer}")
             })?;
-        per_layer.insert(layer, taps);
+        let selection = !mine.selections.is_empty();
+        per_layer.insert(layer, LayerRun { taps, selection });
     }
     Ok(per_layer)
 }
 
-/// End to end, route-aware: the reference's taps over `tokens` (logits included) following
-/// the engine's choice at every flip inside the margin of `bound` (the `router` tap's end-to-end
-/// NMSE bound at a layer), with the number of flips followed; `None` when both sides chose the
-/// same experts everywhere. Unlike [`forced_runs`], one run forces every flip at once, since
-/// end to end a layer's input is what the layers before it chose; a forced layer changes the
-/// layers after it, so the flips are found again on the forced run until no new one appears
-/// (at most once per MoE layer).
+/// The reference following the engine end to end ([`follow_end_to_end`]): its taps, logits
+/// included, and how many expert choices and indexer selections it followed.
+pub struct FollowedRun {
+    pub taps: Vec<Tap>,
+    pub routes: usize,
+    pub selections: usize,
+}
+
+/// End to end, route- and selection-aware: the reference's taps over `tokens` (logits
+/// included) following the engine's choice at every expert flip inside the margin of
+/// `router_bound` (the `router` tap's end-to-end NMSE bound at a layer) and at every indexer
+/// selection flip inside the margin of `indexer_bound` (the `indexer_top_k` tap's); `None`
+/// when both sides chose alike everywhere. Unlike [`forced_runs`], one run forces every flip
+/// at once, since end to end a layer's input is what the layers before it chose; a forced
+/// layer changes the layers after it, so the flips are found again on the forced run (with its
+/// own indexer scores) until no new one appears.
 pub fn follow_end_to_end(
     model: &ReferenceModel,
     tokens: &[u32],
     routing: &BTreeMap<usize, Routing>,
     engine: &[Tap],
     reference: &[Tap],
-    bound: &dyn Fn(usize) -> f64,
-) -> Result<Option<(Vec<Tap>, usize)>> {
-    let mut forced_all = ForcedRoutes::new();
+    router_bound: &dyn Fn(usize) -> f64,
+    indexer_bound: &dyn Fn(usize) -> f64,
+) -> Result<Option<FollowedRun>> {
+    let indexed = engine
+        .iter()
+        .filter(|t| TapId::parse(&t.name).is_some_and(|id| id.kind == TapKind::IndexerTopK))
+        .count();
+    // The unforced run's indexer scores, only where some selection differs at all.
+    let mut scores = if super::selections::differ(engine, reference, 0) {
+        model
+            .forward_hidden_scored(
+                tokens,
+                &ForcedRoutes::new(),
+                &ForcedSelections::new(),
+                &mut |_, _, _| {},
+            )
+            .context("the reference's indexer scores")?
+            .1
+    } else {
+        IndexerScores::new()
+    };
+    let mut all = Following::default();
     let mut current: Option<Vec<Tap>> = None;
-    for _ in 0..=routing.len() {
+    for _ in 0..=routing.len() + indexed {
         let against = current.as_deref().unwrap_or(reference);
-        let new: ForcedRoutes = forced(&flips(routing, engine, against, bound))
+        let routes: ForcedRoutes = forced(&flips(routing, engine, against, router_bound))
             .into_iter()
-            .filter(|(k, _)| !forced_all.contains_key(k))
+            .filter(|(k, _)| !all.routes.contains_key(k))
             .collect();
-        if new.is_empty() {
+        let selections: ForcedSelections = super::selections::forced(&super::selections::flips(
+            engine,
+            against,
+            &scores,
+            0,
+            indexer_bound,
+        ))
+        .into_iter()
+        .filter(|(k, _)| !all.selections.contains_key(k))
+        .collect();
+        if routes.is_empty() && selections.is_empty() {
             break;
         }
-        forced_all.extend(new);
+        all.routes.extend(routes);
+        all.selections.extend(selections);
         let mut taps = Vec::new();
-        let normed = model
-            .forward_hidden_routed(tokens, &forced_all, &mut |name, shape, data| {
-                taps.push(Tap::new(name, shape.to_vec(), data.to_vec()))
-            })
-            .context("the reference following the engine's experts end to end")?;
+        let (normed, run_scores) = model
+            .forward_hidden_scored(
+                tokens,
+                &all.routes,
+                &all.selections,
+                &mut |name, shape, data| taps.push(Tap::new(name, shape.to_vec(), data.to_vec())),
+            )
+            .context("the reference following the engine's choices end to end")?;
+        scores = run_scores;
         let logits = model
             .logits_of(&normed)
-            .context("the head of the reference following the engine's experts")?;
+            .context("the head of the reference following the engine's choices")?;
         let n_vocab = logits.len() / tokens.len().max(1);
         taps.push(Tap::new("logits", vec![tokens.len(), n_vocab], logits));
         current = Some(taps);
     }
-    Ok(current.map(|taps| (taps, forced_all.len())))
+    Ok(current.map(|taps| FollowedRun {
+        taps,
+        routes: all.routes.len(),
+        selections: all.selections.len(),
+    }))
 }
 
 /// The engine's choices of the flips inside the margin, for the reference to follow.
@@ -213,29 +300,56 @@ pub fn forced(flips: &[Flip]) -> ForcedRoutes {
 }
 
 /// The `routes` gate: the number of flips outside the tie margin must be 0; the detail lists the
-/// flips (at most 4) with both sides' experts and scores.
+/// flips (at most 4, those past the margin first) with both sides' experts and scores.
 pub fn gate(flips: &[Flip]) -> GateResult {
-    let outside = flips.iter().filter(|f| !f.within_margin()).count();
-    let fmt = |v: &[(usize, f64)]| {
-        v.iter()
-            .map(|(e, s)| format!("{e} ({s:.4})"))
-            .collect::<Vec<_>>()
-            .join(", ")
-    };
+    let described = flips.iter().map(|f| {
+        let what = format!(
+            "blk.{} token {}: engine [{}], reference [{}]",
+            f.layer,
+            f.token,
+            scored(&f.engine),
+            scored(&f.reference)
+        );
+        (what, f.gap, f.margin)
+    });
+    near_tie_gate(
+        "routes",
+        described,
+        "both sides choose the same experts for every token",
+    )
+}
+
+/// `index (score), …`.
+pub fn scored(v: &[(usize, f64)]) -> String {
+    v.iter()
+        .map(|(i, s)| format!("{i} ({s:.4})"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// A gate over near-tie flips, each `(what, gap, margin)`: the number past the margin
+/// (`gap > margin`) must be 0; the detail names the flips (at most 4, those past the margin
+/// first), or says `none` when there are none.
+pub fn near_tie_gate(
+    name: &'static str,
+    flips: impl Iterator<Item = (String, f64, f64)>,
+    none: &str,
+) -> GateResult {
+    let mut flips: Vec<(String, f64, f64)> = flips.collect();
+    let past =
+        |&(_, gap, margin): &(String, f64, f64)| gap.partial_cmp(&margin).is_none_or(|o| o.is_gt());
+    flips.sort_by_key(|f| !past(f));
+    let outside = flips.iter().filter(|f| past(f)).count();
     let mut detail: Vec<String> = flips
         .iter()
         .take(4)
         .map(|f| {
             format!(
-                "blk.{} token {}: engine [{}], reference [{}], reference score gap {:.2e} {} \
-                 tie margin {:.2e}",
-                f.layer,
-                f.token,
-                fmt(&f.engine),
-                fmt(&f.reference),
-                f.gap,
-                if f.within_margin() { "within" } else { "PAST" },
-                f.margin
+                "{}, reference score gap {:.2e} {} tie margin {:.2e}",
+                f.0,
+                f.1,
+                if past(f) { "PAST" } else { "within" },
+                f.2
             )
         })
         .collect();
@@ -243,29 +357,48 @@ pub fn gate(flips: &[Flip]) -> GateResult {
         detail.push(format!("… {} more", flips.len() - 4));
     }
     let detail = if flips.is_empty() {
-        "both sides choose the same experts for every token".to_owned()
+        none.to_owned()
     } else {
         format!(
-            "{} flip(s), {outside} past the tie margin; the layers of those within it are \
-             compared with the reference following the engine's choice: {}",
+            "{} flip(s), {outside} past the tie margin; those within it are compared with the \
+             reference following the engine's choice: {}",
             flips.len(),
             detail.join("; ")
         )
     };
-    GateResult::at_most("routes", outside as f64, 0.0, detail)
+    GateResult::at_most(name, outside as f64, 0.0, detail)
 }
 
-/// Replace the reference's `blk.{layer}.ffn_out` and `.out` taps by `forced`'s, for each layer
-/// with a followed flip (the taps of one forced run per layer: layer-isolated, each layer's
-/// input is the unforced reference's).
-pub fn follow(reference: &[Tap], per_layer: &BTreeMap<usize, Vec<Tap>>) -> Vec<Tap> {
+/// The taps of a layer a forced run replaces: from the indexer on after a followed selection,
+/// the MoE output and the layer's output after followed experts.
+const AFTER_EXPERTS: [&str; 2] = ["ffn_out", "out"];
+const AFTER_SELECTION: [&str; 7] = [
+    "indexer_top_k",
+    "attn",
+    "attn_out",
+    "ffn_norm",
+    "router",
+    "ffn_out",
+    "out",
+];
+
+/// Replace the reference's taps of each layer with a followed choice by its forced run's (see
+/// [`LayerRun`]; layer-isolated, each layer's input is the unforced reference's). A shared
+/// indexer layer after a followed selection keeps the unforced reference's taps: its input in
+/// the forced run is no longer the one the isolated engine layer read.
+pub fn follow(reference: &[Tap], per_layer: &BTreeMap<usize, LayerRun>) -> Vec<Tap> {
     reference
         .iter()
         .map(|t| {
-            let swap = per_layer.iter().find_map(|(layer, forced)| {
-                let own = [format!("blk.{layer}.ffn_out"), format!("blk.{layer}.out")];
-                own.contains(&t.name)
-                    .then(|| forced.iter().find(|f| f.name == t.name))
+            let swap = per_layer.iter().find_map(|(layer, run)| {
+                let own: &[&str] = if run.selection {
+                    &AFTER_SELECTION
+                } else {
+                    &AFTER_EXPERTS
+                };
+                own.iter()
+                    .any(|s| t.name == format!("blk.{layer}.{s}"))
+                    .then(|| run.taps.iter().find(|f| f.name == t.name))
                     .flatten()
             });
             swap.unwrap_or(t).clone()
@@ -352,16 +485,26 @@ mod tests {
         let mut per_layer = BTreeMap::new();
         per_layer.insert(
             1,
-            vec![
-                t("blk.1.router", 9.0),
-                t("blk.1.ffn_out", 20.0),
-                t("blk.1.out", 30.0),
-            ],
+            LayerRun {
+                taps: vec![
+                    t("blk.1.router", 9.0),
+                    t("blk.1.ffn_out", 20.0),
+                    t("blk.1.out", 30.0),
+                ],
+                selection: false,
+            },
         );
         let got: Vec<f32> = follow(&reference, &per_layer)
             .iter()
             .map(|t| t.data[0])
             .collect();
         assert_eq!(got, [1.0, 20.0, 30.0, 4.0]);
+        // A followed selection replaces the layer from its indexer on, the router included.
+        per_layer.get_mut(&1).expect("layer 1").selection = true;
+        let got: Vec<f32> = follow(&reference, &per_layer)
+            .iter()
+            .map(|t| t.data[0])
+            .collect();
+        assert_eq!(got, [9.0, 20.0, 30.0, 4.0]);
     }
 }

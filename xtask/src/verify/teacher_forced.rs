@@ -16,7 +16,7 @@ use harness::report::{CaseResult, Figure};
 use harness::tap::Tap;
 use harness::throughput::{self, Baseline};
 use harness::tolerance::Numerics;
-use reference::Precision;
+use reference::{Precision, ReferenceModel};
 
 use super::common::{argmax, device_of, truncate_text, Budget, CaseEnv, PROMPT, TEXT};
 use super::gates::{bos_gate, logit_thresholds, tokens_gate};
@@ -105,13 +105,13 @@ pub fn run(
     // downstream is not the engine's), each flip inside the margin of the router tap's
     // end-to-end bound at its layer.
     let followed = follow_end_to_end(ref_src, reference, &engine_taps, env, &ctx, n_layers)?;
-    let (full_ref, e2e_followed) = match &followed {
-        Some((taps, n)) => (taps.as_slice(), *n),
-        None => (reference.taps.as_slice(), 0),
+    let (full_ref, e2e_routes, e2e_selections) = match &followed {
+        Some(f) => (f.taps.as_slice(), f.routes, f.selections),
+        None => (reference.taps.as_slice(), 0, 0),
     };
     let full = harness::compare::compare_taps(&engine_taps, full_ref, env.policy, &ctx);
     // The logit gates judge the engine's logits against the same reference (following the
-    // engine's near-tie expert choices, if any).
+    // engine's near-tie choices, if any).
     let ref_logits = full_ref
         .iter()
         .rev()
@@ -128,7 +128,8 @@ pub fn run(
         harness::compare::compare_taps(&iso.taps, &reference.exact_taps, env.policy, &exact_ctx);
     // MoE, route-aware: flips of the expert choice between the two routers' logits, accepted
     // inside the tie margin, and their layers compared with the reference following the
-    // engine's choice (super::routes).
+    // engine's choice (super::routes); glm-dsa, selection-aware, the same for the indexer's
+    // selections (super::selections).
     let router_bound = env
         .policy
         .exact_tolerance(harness::tap::TapKind::Router, &exact_ctx)
@@ -139,7 +140,30 @@ pub fn run(
         &reference.exact_taps,
         &|_| router_bound,
     );
-    let isolated = match follow_flips(ref_src, reference, &flips)? {
+    let indexed = has_indexer(&iso.taps);
+    let selection_flips = if super::selections::differ(&iso.taps, &reference.exact_taps, 0) {
+        let exact = src_exact(ref_src, reference)?;
+        let (_, scores) = exact
+            .forward_hidden_scored(
+                &reference.tokens,
+                &Default::default(),
+                &Default::default(),
+                &mut |_, _, _| {},
+            )
+            .context("the exact-numerics reference's indexer scores")?;
+        let bound = env
+            .policy
+            .exact_tolerance(harness::tap::TapKind::IndexerTopK, &exact_ctx)
+            .nmse_max;
+        super::selections::flips(&iso.taps, &reference.exact_taps, &scores, 0, &|_| bound)
+    } else {
+        Vec::new()
+    };
+    let following = super::routes::Following {
+        routes: super::routes::forced(&flips),
+        selections: super::selections::forced(&selection_flips),
+    };
+    let isolated = match follow_flips(ref_src, reference, &following)? {
         Some(followed) => {
             harness::compare::compare_taps(&iso.taps, &followed, env.policy, &exact_ctx)
         }
@@ -163,6 +187,9 @@ pub fn run(
     if !reference.routing.is_empty() {
         gates.push(super::routes::gate(&flips));
     }
+    if indexed {
+        gates.push(super::selections::gate(&selection_flips));
+    }
     let (logit_gates, mut figures) = logit_gates(reference, ref_logits, &logits.data, &ctx)?;
     gates.extend(logit_gates);
     gates.extend(greedy_gates(
@@ -181,7 +208,14 @@ pub fn run(
     if !reference.routing.is_empty() {
         figures.push(Figure::new(
             "e2e_route_flips_followed",
-            e2e_followed as f64,
+            e2e_routes as f64,
+            "",
+        ));
+    }
+    if indexed {
+        figures.push(Figure::new(
+            "e2e_selection_flips_followed",
+            e2e_selections as f64,
             "",
         ));
     }
@@ -327,32 +361,43 @@ fn greedy_gates(
     Ok(gates)
 }
 
-/// The exact reference's taps with the `ffn_out` and `out` of each layer that has flips inside
-/// the tie margin recomputed following the engine's choice (one forced run per layer, so each
-/// layer's input stays the unforced reference's, as layer isolation feeds the engine); `None`
-/// when there is nothing to follow.
+/// Whether the engine's taps hold an indexer's selection (`glm-dsa`).
+fn has_indexer(taps: &[Tap]) -> bool {
+    taps.iter().any(|t| {
+        harness::tap::TapId::parse(&t.name)
+            .is_some_and(|id| id.kind == harness::tap::TapKind::IndexerTopK)
+    })
+}
+
+/// The exact-numerics reference model of `reference`'s file.
+fn src_exact(src: RefSource<'_>, reference: &ReferenceRun) -> Result<ReferenceModel> {
+    src.open(Precision::Exact, reference.residency)
+        .context("the exact-numerics reference, to follow the engine's near-tie choices")
+}
+
+/// The exact reference's taps with each layer that has flips inside the tie margin recomputed
+/// following the engine's choice (one forced run per layer, so each layer's input stays the
+/// unforced reference's, as layer isolation feeds the engine; super::routes::follow says which
+/// taps); `None` when there is nothing to follow.
 fn follow_flips(
     src: RefSource<'_>,
     reference: &ReferenceRun,
-    flips: &[super::routes::Flip],
+    following: &super::routes::Following,
 ) -> Result<Option<Vec<Tap>>> {
-    let forced = super::routes::forced(flips);
-    if forced.is_empty() {
+    if following.is_empty() {
         return Ok(None);
     }
-    let exact = src
-        .open(Precision::Exact, reference.residency)
-        .context("the exact-numerics reference, to follow the engine's expert choices")?;
-    let per_layer = super::routes::forced_runs(&exact, &reference.tokens, flips)?;
+    let exact = src_exact(src, reference)?;
+    let per_layer = super::routes::forced_runs(&exact, &reference.tokens, following)?;
     Ok(Some(super::routes::follow(
         &reference.exact_taps,
         &per_layer,
     )))
 }
 
-/// The f32 reference's taps following the engine's end-to-end expert choices where they flipped
-/// inside the margin (super::routes::follow_end_to_end), and how many it followed; `None` for a
-/// dense model or when both sides chose alike.
+/// The f32 reference's taps following the engine's end-to-end expert choices and indexer
+/// selections where they flipped inside the margin (super::routes::follow_end_to_end); `None`
+/// for a model with neither, or when both sides chose alike.
 fn follow_end_to_end(
     src: RefSource<'_>,
     reference: &ReferenceRun,
@@ -360,24 +405,28 @@ fn follow_end_to_end(
     env: &CaseEnv,
     ctx: &harness::tolerance::CaseContext,
     n_layers: usize,
-) -> Result<Option<(Vec<Tap>, usize)>> {
-    if reference.routing.is_empty() {
+) -> Result<Option<super::routes::FollowedRun>> {
+    if reference.routing.is_empty() && !has_indexer(engine_taps) {
         return Ok(None);
     }
     let f32_model = src
         .open(Precision::F32, reference.residency)
-        .context("the f32 reference, to follow the engine's expert choices")?;
+        .context("the f32 reference, to follow the engine's near-tie choices")?;
+    let bound = |kind| {
+        move |layer| {
+            env.policy
+                .tolerance(kind, Some(layer), n_layers, ctx)
+                .nmse_max
+        }
+    };
     super::routes::follow_end_to_end(
         &f32_model,
         &reference.tokens,
         &reference.routing,
         engine_taps,
         &reference.taps,
-        &|layer| {
-            env.policy
-                .tolerance(harness::tap::TapKind::Router, Some(layer), n_layers, ctx)
-                .nmse_max
-        },
+        &bound(harness::tap::TapKind::Router),
+        &bound(harness::tap::TapKind::IndexerTopK),
     )
 }
 
@@ -464,23 +513,31 @@ fn bench(
 
 #[cfg(test)]
 mod tests {
-    #[test]
-    fn followed_flips_replace_only_the_flipped_rows() {
-        use super::follow_flips;
-        use crate::verify::common::Budget;
-        use crate::verify::reference_runs::{reference_run, RefSource};
-        use crate::verify::routes::Flip;
-        use reference::Residency;
-        let (Ok(dir), Some(spec)) = (
-            tempfile::tempdir(),
-            golden::fixtures::by_name("deepseek2-lite-q8_0"),
-        ) else {
-            panic!("temp dir or fixture")
+    use super::follow_flips;
+    use crate::verify::common::Budget;
+    use crate::verify::reference_runs::{reference_run, RefSource, ReferenceRun};
+    use reference::Residency;
+
+    /// Fixture `name` written to a temporary directory, and its reference run.
+    fn fixture_run(name: &str) -> (tempfile::TempDir, std::path::PathBuf, ReferenceRun) {
+        let (Ok(dir), Some(spec)) = (tempfile::tempdir(), golden::fixtures::by_name(name)) else {
+            panic!("temp dir or fixture {name}")
         };
         let path = golden::fixtures::write(&spec, dir.path()).unwrap_or_else(|e| panic!("{e}"));
+        let run = reference_run(
+            RefSource::File(&path),
+            Budget::for_model(false),
+            Residency::Eager,
+        )
+        .unwrap_or_else(|e| panic!("{e:#}"));
+        (dir, path, run)
+    }
+
+    #[test]
+    fn followed_flips_replace_only_the_flipped_rows() {
+        use crate::verify::routes::Flip;
+        let (_dir, path, run) = fixture_run("deepseek2-lite-q8_0");
         let src = RefSource::File(&path);
-        let run = reference_run(src, Budget::for_model(false), Residency::Eager)
-            .unwrap_or_else(|e| panic!("{e:#}"));
         let (&layer, routing) = run.routing.iter().next().expect("an MoE layer");
         let router = run
             .exact_taps
@@ -505,10 +562,14 @@ mod tests {
             gap: 0.01,
             margin,
         };
-        assert!(follow_flips(src, &run, &[flip(0.001)])
+        let following = |margin: f64| crate::verify::routes::Following {
+            routes: crate::verify::routes::forced(&[flip(margin)]),
+            ..Default::default()
+        };
+        assert!(follow_flips(src, &run, &following(0.001))
             .unwrap_or_else(|e| panic!("{e:#}"))
             .is_none());
-        let followed = follow_flips(src, &run, &[flip(1.0)])
+        let followed = follow_flips(src, &run, &following(1.0))
             .unwrap_or_else(|e| panic!("{e:#}"))
             .expect("followed taps");
         for (a, b) in run.exact_taps.iter().zip(&followed) {
@@ -521,5 +582,68 @@ mod tests {
                 assert_eq!(differs, own && p == 3, "{} row {p}", a.name);
             }
         }
+    }
+
+    #[test]
+    fn a_followed_selection_replaces_its_layer_from_the_indexer_on_for_its_query_only() {
+        use crate::verify::routes::Following;
+        let (_dir, path, run) = fixture_run("glm-dsa-q8_0");
+        let src = RefSource::File(&path);
+        let sel = run
+            .exact_taps
+            .iter()
+            .find(|t| t.name == "blk.0.indexer_top_k")
+            .expect("layer 0's selection");
+        let top_k = sel.shape[1];
+        // The first query that sees more positions than it keeps: swap its lowest kept position
+        // for one it left out.
+        let query = top_k;
+        let kept: Vec<usize> = sel.data[query * top_k..(query + 1) * top_k]
+            .iter()
+            .map(|&p| p as usize)
+            .collect();
+        let left_out = (0..=query)
+            .find(|p| !kept.contains(p))
+            .expect("a position left out");
+        let mut engine = kept[1..].to_vec();
+        engine.push(left_out);
+        engine.sort_unstable();
+        let following = Following {
+            selections: [((0, query), engine.clone())].into(),
+            ..Default::default()
+        };
+        let followed = follow_flips(src, &run, &following)
+            .unwrap_or_else(|e| panic!("{e:#}"))
+            .expect("followed taps");
+        let own = [
+            "indexer_top_k",
+            "attn",
+            "attn_out",
+            "ffn_norm",
+            "router",
+            "ffn_out",
+            "out",
+        ];
+        for (a, b) in run.exact_taps.iter().zip(&followed) {
+            assert_eq!(a.name, b.name);
+            let w = a.shape[1];
+            for p in 0..a.shape[0] {
+                let differs = a.data[p * w..(p + 1) * w] != b.data[p * w..(p + 1) * w];
+                let expect = p == query && own.iter().any(|s| a.name == format!("blk.0.{s}"));
+                // The router and the MoE see the forced attention only through its value.
+                if a.name != "blk.0.router" {
+                    assert_eq!(differs, expect, "{} row {p}", a.name);
+                }
+            }
+        }
+        let forced = followed
+            .iter()
+            .find(|t| t.name == "blk.0.indexer_top_k")
+            .expect("followed selection");
+        let got: Vec<usize> = forced.data[query * top_k..(query + 1) * top_k]
+            .iter()
+            .map(|&p| p as usize)
+            .collect();
+        assert_eq!(got, engine);
     }
 }
