@@ -3,9 +3,10 @@
 //! run fails **and** names the expected first divergent tap or gate.
 //!
 //! Hygiene:
-//! - The fault hooks exist only in a separate build (xtask feature `fault-injection`, target dir
-//!   `target/faults`, alias `cargo xtask-faults`); the build that tests and benchmarks use has
-//!   none. From the plain build, `--faults` builds that one first and runs it.
+//! - The fault hooks exist only in a separate build (xtask feature `fault-injection`: the binary
+//!   `xtask-faults` beside the plain one, or the alias `cargo xtask-faults` in `target/faults`);
+//!   the build that tests and benchmarks use has none. From the plain build, `--faults` builds
+//!   that one first ([`fault_build`]) and runs it.
 //! - A clean control run (no fault, the same cases, the same fault build) goes first; the suite
 //!   fails if the control fails, since a fault "caught" by a case that fails anyway proves nothing.
 //! - `--fault NAME` picks faults; an unknown name is an error that lists the known ones.
@@ -308,43 +309,52 @@ fn selected(names: &[String]) -> Result<Vec<&'static Expectation>> {
         .collect()
 }
 
-/// The xtask binary that has the engine's fault hooks: this one when it was built with them,
-/// otherwise a separate build into `target/faults` (so the plain build never carries them).
+/// The xtask binary that has the engine's fault hooks: this one when it was built with them.
+/// Otherwise it is built in this binary's own target directory, where everything the feature does
+/// not touch (every third-party crate, the kernels, the reference) is shared with the plain build
+/// and only the engine and what depends on it compile again, under other artifact hashes; cargo
+/// puts the result at this binary's path, so it is copied to `xtask-faults` beside it and the
+/// plain binary is put back (a fresh build, nothing compiles), so the plain build never carries
+/// the hooks. A separate target directory (what `cargo xtask-faults` uses) would compile the whole
+/// dependency tree a second time.
 fn fault_build() -> Result<PathBuf> {
+    let me = std::env::current_exe().context("locating the xtask binary")?;
     if cfg!(feature = "fault-injection") {
-        return std::env::current_exe().context("locating the xtask binary");
+        return Ok(me);
     }
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    eprintln!("building the fault-injection xtask (target/faults; the plain build has no hooks)");
-    let status = Command::new(&cargo)
-        .args([
-            "build",
-            "--release",
-            "--package",
-            "xtask",
-            "--features",
-            "fault-injection",
-            "--target-dir",
-            FAULT_TARGET_DIR,
-        ])
-        .status()
-        .context("running cargo build for the fault-injection xtask")?;
-    if !status.success() {
-        bail!("building the fault-injection xtask failed ({status})");
-    }
-    let exe = PathBuf::from(FAULT_TARGET_DIR)
-        .join("release")
-        .join(format!("xtask{}", std::env::consts::EXE_SUFFIX));
-    anyhow::ensure!(
-        exe.is_file(),
-        "the fault-injection build left no binary at {}",
-        exe.display()
-    );
-    Ok(exe)
+    let dir = me
+        .parent()
+        .with_context(|| format!("the folder of {}", me.display()))?;
+    eprintln!("building the fault-injection xtask beside this one (the plain build has no hooks)");
+    cargo_build(&["--features", "fault-injection"])?;
+    let faulty = dir.join(format!("xtask-faults{}", std::env::consts::EXE_SUFFIX));
+    std::fs::copy(&me, &faulty).with_context(|| {
+        format!(
+            "copying the fault-injection build {} to {}",
+            me.display(),
+            faulty.display()
+        )
+    })?;
+    cargo_build(&[])?;
+    Ok(faulty)
 }
 
-/// Where the fault-injection build goes (`cargo xtask-faults` uses the same directory).
-const FAULT_TARGET_DIR: &str = "target/faults";
+/// `cargo build --release --package xtask` with `extra` arguments.
+fn cargo_build(extra: &[&str]) -> Result<()> {
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let status = Command::new(&cargo)
+        .args(["build", "--release", "--package", "xtask"])
+        .args(extra)
+        .status()
+        .context("running cargo build for xtask")?;
+    if !status.success() {
+        bail!(
+            "cargo build --release --package xtask {} failed ({status})",
+            extra.join(" ")
+        );
+    }
+    Ok(())
+}
 
 /// One verify run of the fault build over `case` with `fault` active (`None`: the control).
 fn run_one(exe: &PathBuf, args: &Args, case: &str, fault: Option<Fault>) -> Result<Value> {
