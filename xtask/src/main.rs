@@ -7,6 +7,7 @@ mod cuda_emu;
 mod fetch_model;
 mod golden;
 mod gpu_archive;
+mod hack_check;
 mod kernels;
 mod quant_errors;
 mod serve_bench;

@@ -9,7 +9,11 @@
 //!   so two sequences sit at the same positions), each asking for one token, which must be the
 //!   reference's argmax at that position or a near-tie under the same rule (`concurrent` gate).
 //!   A cell of one sequence read by another, a row handed to the wrong request, or positions
-//!   shifted by a neighbour's prompt changes those tokens; one request alone never shows it.
+//!   shifted by a neighbour's prompt changes those tokens; one request alone never shows it;
+//! - then the greedy request again with a stop string that spans a token boundary in the middle
+//!   of the first answer (`stop` gate): its text must be the first answer's up to the stop
+//!   string, with `finish_reason` `stop` (a stop string split over two tokens, a held-back
+//!   prefix lost or sent, text after the stop string: each changes it).
 
 use std::time::{Duration, Instant};
 
@@ -65,27 +69,48 @@ pub fn run(case: &Case, env: &CaseEnv<'_>, refs: &mut ReferenceCache) -> Result<
     // Every request at once: the scheduler admits them together, so their prompts prefill in
     // shared batches and the greedy request decodes beside the others' prefills.
     let (greedy, served) = std::thread::scope(|s| {
-        let greedy = s.spawn(|| complete(&base, &reference.prompt, n, n_vocab));
+        let greedy = s.spawn(|| complete(&base, &reference.prompt, n, None, n_vocab));
         let others: Vec<_> = prefixes
             .iter()
             .map(|&k| {
                 let (base, prompt) = (&base, &reference.tokens[..k]);
-                s.spawn(move || complete(base, prompt, 1, n_vocab))
+                s.spawn(move || complete(base, prompt, 1, None, n_vocab))
             })
             .collect();
-        let join = |h: std::thread::ScopedJoinHandle<'_, Result<(Vec<u32>, Vec<f32>)>>| {
+        let join = |h: std::thread::ScopedJoinHandle<'_, Result<Answer>>| {
             h.join()
                 .unwrap_or_else(|_| Err(anyhow::anyhow!("a request thread panicked")))
         };
         let served: Vec<_> = others.into_iter().map(join).collect();
         (join(greedy), served)
     });
+    let greedy = greedy.context("the greedy request")?;
+    let stop = match stop_string(&greedy) {
+        Some(s) => {
+            let answer = complete(&base, &reference.prompt, n, Some(&s), n_vocab)
+                .context("the greedy request with a stop string")?;
+            stop_gate(&greedy, &s, &answer)
+        }
+        None => GateResult::at_most(
+            "stop",
+            1.0,
+            0.0,
+            format!(
+                "the greedy answer ({:?}) is too short to hold a stop string across a token \
+                 boundary",
+                greedy.text
+            ),
+        ),
+    };
     drop(server);
-    let (ids, rows) = greedy.context("the greedy request")?;
+    let (ids, rows) = (greedy.ids, greedy.rows);
     let served = served
         .into_iter()
         .zip(&prefixes)
-        .map(|(r, k)| r.with_context(|| format!("the request for the text's first {k} tokens")))
+        .map(|(r, k)| {
+            r.map(|a| (a.ids, a.rows))
+                .with_context(|| format!("the request for the text's first {k} tokens"))
+        })
         .collect::<Result<Vec<_>>>()?;
     let concurrent = concurrent_gate(&prefixes, &served, reference.logits(), n_vocab);
 
@@ -111,7 +136,7 @@ pub fn run(case: &Case, env: &CaseEnv<'_>, refs: &mut ReferenceCache) -> Result<
     Ok(CaseResult::judged(
         &name,
         None,
-        vec![ready_gate, gate, concurrent],
+        vec![ready_gate, gate, concurrent, stop],
         vec![Figure::new("ready_s", ready_s, "s")],
     )
     .with_duration(started.elapsed().as_secs_f64()))
@@ -126,15 +151,72 @@ fn prefix_lengths(n: usize) -> Vec<usize> {
     v
 }
 
-/// POST one greedy completion of `max_tokens` after `prompt` (token ids), with the top
-/// alternatives' log-probabilities: the ids and their rows ([`parse`]).
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn answer(pieces: &[&str], finish: &str) -> Answer {
+        let mut text = String::new();
+        let mut offsets = Vec::new();
+        for p in pieces {
+            offsets.push(text.len());
+            text.push_str(p);
+        }
+        Answer {
+            ids: (0..pieces.len() as u32).collect(),
+            rows: vec![0.0; pieces.len()],
+            text,
+            offsets,
+            finish: finish.to_owned(),
+        }
+    }
+
+    #[test]
+    fn the_stop_string_spans_the_middle_token_boundary() {
+        let g = answer(&[" The", " cat", " sat", " on", " the", " mat"], "length");
+        // Middle boundary: before " on" (offset 12); two characters before, three after.
+        assert_eq!(stop_string(&g).as_deref(), Some("at on"));
+    }
+
+    #[test]
+    fn the_stop_gate_wants_the_text_before_the_stop_string_and_finish_stop() {
+        let g = answer(&[" The", " cat", " sat", " on", " the", " mat"], "length");
+        let s = "at on";
+        let good = answer(&[" The", " cat", " s"], "stop");
+        assert!(stop_gate(&g, s, &good).passed);
+        // The stop string itself sent, or the held-back "at" lost, or the wrong finish reason.
+        for bad in [
+            answer(&[" The", " cat", " sat on"], "stop"),
+            answer(&[" The", " cat"], "stop"),
+            answer(&[" The", " cat", " s"], "length"),
+        ] {
+            let gate = stop_gate(&g, s, &bad);
+            assert!(!gate.passed, "{}", gate.detail);
+        }
+    }
+}
+
+/// One completion's answer.
+struct Answer {
+    /// The tokens and, per token, a row of the top alternatives' log-probabilities ([`parse`]).
+    ids: Vec<u32>,
+    rows: Vec<f32>,
+    text: String,
+    /// Where each token's text starts in `text` (bytes).
+    offsets: Vec<usize>,
+    finish: String,
+}
+
+/// POST one greedy completion of `max_tokens` after `prompt` (token ids), ending at `stop` if
+/// given, with the top alternatives' log-probabilities.
 fn complete(
     base: &str,
     prompt: &[u32],
     max_tokens: usize,
+    stop: Option<&str>,
     n_vocab: usize,
-) -> Result<(Vec<u32>, Vec<f32>)> {
-    let body = json!({
+) -> Result<Answer> {
+    let mut body = json!({
         "prompt": prompt,
         "max_tokens": max_tokens,
         "temperature": 0,
@@ -142,6 +224,9 @@ fn complete(
         "logprobs": TOP,
         "return_tokens_as_token_ids": true,
     });
+    if let Some(s) = stop {
+        body["stop"] = json!([s]);
+    }
     let mut r = serve_bench::agent()
         .post(format!("{base}/v1/completions"))
         .header("content-type", "application/json")
@@ -156,7 +241,109 @@ fn complete(
         bail!("/v1/completions answered {status}: {text}");
     }
     let v: Value = serde_json::from_str(&text).context("the answer is not JSON")?;
-    parse(&v["choices"][0]["logprobs"], n_vocab)
+    let choice = &v["choices"][0];
+    let (ids, rows) = parse(&choice["logprobs"], n_vocab)?;
+    let offsets = choice["logprobs"]["text_offset"]
+        .as_array()
+        .context("logprobs.text_offset missing")?
+        .iter()
+        .map(|o| {
+            o.as_u64()
+                .map(|o| o as usize)
+                .context("a text offset is not a number")
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(Answer {
+        ids,
+        rows,
+        text: choice["text"]
+            .as_str()
+            .context("choices[0].text missing")?
+            .to_owned(),
+        offsets,
+        finish: choice["finish_reason"].as_str().unwrap_or("").to_owned(),
+    })
+}
+
+/// A stop string for the greedy answer: its two characters before the boundary of the middle
+/// token and three after, so the string is split over two tokens; `None` when no token boundary
+/// has that much text on both sides.
+fn stop_string(a: &Answer) -> Option<String> {
+    let t = &a.text;
+    let mut bounds: Vec<usize> = a.offsets.clone();
+    let mid = bounds.len() / 2;
+    // The middle boundary first, then the others outward.
+    bounds.sort_by_key(|&b| b.abs_diff(a.offsets.get(mid).copied().unwrap_or(0)));
+    let at = |b: usize| {
+        let start = t.get(..b)?.char_indices().rev().nth(1)?.0;
+        let end = b + t.get(b..)?.char_indices().nth(3).map(|(i, _)| i)?;
+        let s = t.get(start..end)?;
+        (!s.trim().is_empty()).then(|| (start, s.to_owned()))
+    };
+    // Rather one with text before it, so the answer has some to send.
+    let candidates: Vec<(usize, String)> = bounds.into_iter().filter_map(at).collect();
+    candidates
+        .iter()
+        .find(|(start, _)| *start > 0)
+        .or(candidates.first())
+        .map(|(_, s)| s.clone())
+}
+
+/// The `stop` gate: the answer with stop string `s` is the greedy answer up to the first `s`,
+/// ending with `finish_reason` `stop`. Where the two answers' tokens part before it (the second
+/// request prefilled alone, not in a shared batch), only a near-tie makes that legitimate, and the
+/// text is not comparable: the gate says so and passes.
+fn stop_gate(greedy: &Answer, s: &str, answer: &Answer) -> GateResult {
+    let Some(at) = greedy.text.find(s) else {
+        return GateResult::at_most("stop", 1.0, 0.0, format!("{s:?} is not in the greedy text"));
+    };
+    let want = &greedy.text[..at];
+    // The tokens the stopped answer needed: those whose text starts before the stop string.
+    let needed = greedy.offsets.iter().filter(|&&o| o < at).count();
+    let parted = greedy
+        .ids
+        .iter()
+        .zip(&answer.ids)
+        .take(needed)
+        .position(|(a, b)| a != b);
+    if let Some(k) = parted {
+        let n_vocab = greedy.rows.len() / greedy.ids.len().max(1);
+        fn row(a: &Answer, k: usize, n_vocab: usize) -> &[f32] {
+            a.rows.get(k * n_vocab..(k + 1) * n_vocab).unwrap_or(&[])
+        }
+        let tie = coherence::greedy_prefix_or_tie(
+            &answer.ids[k..k + 1],
+            &greedy.ids[k..k + 1],
+            1,
+            &GreedyRows {
+                engine: row(answer, k, n_vocab),
+                golden: row(greedy, k, n_vocab),
+                n_vocab,
+            },
+            0.5,
+        );
+        return GateResult::at_most(
+            "stop",
+            if tie.passed { 0.0 } else { 1.0 },
+            0.0,
+            format!(
+                "with stop {s:?} the tokens part from the greedy answer's at {k} ({}): the text \
+                 is not comparable",
+                tie.detail
+            ),
+        );
+    }
+    let bad = (answer.text != want) as u8 + (answer.finish != "stop") as u8;
+    GateResult::at_most(
+        "stop",
+        bad as f64,
+        0.0,
+        format!(
+            "stop {s:?} (split over two tokens): text {:?}, finish_reason {:?}; expected {want:?}, \
+             \"stop\"",
+            answer.text, answer.finish
+        ),
+    )
 }
 
 /// The `concurrent` gate: each prefix request's token is the reference's argmax after that
