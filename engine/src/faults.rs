@@ -132,10 +132,19 @@ pub enum Fault {
     /// deployment failure class (`model/weights.rs`, `Weight::bytes`). First seen at
     /// `blk.0.indexer_top_k`.
     IndexerWeightsShardOrder,
+    /// The server looks for a stop string in the newest token's text only, not in the text held
+    /// back from earlier tokens (`cli/src/serve/batcher.rs` `scan_stop`): a stop string split
+    /// over two tokens is missed (first seen at the serve case's `stop` gate).
+    ServeStopInOnePiece,
+    /// The server samples a prompt's first token from the batch row before its chunk (the
+    /// previous sequence's last row) whenever another sequence's tokens come first in that batch
+    /// (`cli/src/serve/batcher.rs`, `push_work`: row bookkeeping off by one chunk). First seen
+    /// at the serve case's `concurrent` gate, whose requests share batches.
+    ServeRowOfNeighbour,
 }
 
 impl Fault {
-    pub const ALL: [Fault; 31] = [
+    pub const ALL: [Fault; 33] = [
         Fault::RopePositionOffByOne,
         Fault::SkipResidualAdd,
         Fault::SlidingWindowOffByOne,
@@ -167,6 +176,8 @@ impl Fault {
         Fault::IndexerTopKWrongAxis,
         Fault::IndexerFullLayerReuses,
         Fault::IndexerWeightsShardOrder,
+        Fault::ServeStopInOnePiece,
+        Fault::ServeRowOfNeighbour,
     ];
 
     pub fn name(self) -> &'static str {
@@ -202,6 +213,8 @@ impl Fault {
             Fault::IndexerTopKWrongAxis => "indexer-top-k-wrong-axis",
             Fault::IndexerFullLayerReuses => "indexer-full-layer-reuses",
             Fault::IndexerWeightsShardOrder => "indexer-weights-shard-order",
+            Fault::ServeStopInOnePiece => "serve-stop-in-one-piece",
+            Fault::ServeRowOfNeighbour => "serve-logits-row-of-neighbour",
         }
     }
 

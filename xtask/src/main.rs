@@ -10,6 +10,7 @@ mod gpu_archive;
 mod hack_check;
 mod kernels;
 mod quant_errors;
+mod release_build;
 mod serve_bench;
 mod test_cmd;
 mod verify;

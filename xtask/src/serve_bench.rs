@@ -193,21 +193,15 @@ pub fn run(args: Args) -> Result<()> {
     Ok(())
 }
 
-/// `cargo build --release -p plumbline`; the binary's path.
+/// `cargo build --release -p plumbline`; the binary's path. From the fault-injection xtask
+/// (`verify --faults`), the server's own fault hooks are built too (`plumbline-faults`, beside
+/// the plain binary: crate::release_build), so a serve fault reaches the server it names.
 pub(crate) fn build_plumbline() -> Result<PathBuf> {
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let status = Command::new(cargo)
-        .args(["build", "--release", "-p", "plumbline"])
-        .status()
-        .context("running cargo build --release -p plumbline")?;
-    if !status.success() {
-        bail!("cargo build --release -p plumbline failed");
+    if cfg!(feature = "fault-injection") {
+        crate::release_build::with_faults("plumbline", "plumbline")
+    } else {
+        crate::release_build::plain("plumbline", "plumbline")
     }
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let target = std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| root.join("target"));
-    Ok(target.join("release").join("plumbline"))
 }
 
 /// Start `bin serve --model model --port 0 extra…` (test hooks off); the server and its base URL.

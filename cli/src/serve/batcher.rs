@@ -560,12 +560,18 @@ impl<'a, 'm, E: BatchEngine> Batcher<'a, 'm, E> {
                     )
                 })?;
                 let mut row = None;
+                let first = batch.len();
                 for (k, &t) in tokens.iter().enumerate() {
                     let last = logits_for_last && k + 1 == tokens.len();
                     let idx = batch.push(t, pos0 + k as u32, seq, last);
                     if last {
                         row = Some(idx);
                     }
+                }
+                if engine::faults::is_active(engine::faults::Fault::ServeRowOfNeighbour)
+                    && first > 0
+                {
+                    row = row.map(|_| first - 1);
                 }
                 Ok(row.map_or(Readback::Nothing, Readback::Row))
             }
@@ -849,7 +855,14 @@ pub fn scan_stop(held: &mut String, piece: &str, stops: &[String]) -> (String, b
     if stops.is_empty() {
         return (std::mem::take(held), false);
     }
-    if let Some(at) = stops.iter().filter_map(|s| held.find(s.as_str())).min() {
+    let found = |s: &String| {
+        if engine::faults::is_active(engine::faults::Fault::ServeStopInOnePiece) {
+            let newest = held.len() - piece.len();
+            return held[newest..].find(s.as_str()).map(|i| newest + i);
+        }
+        held.find(s.as_str())
+    };
+    if let Some(at) = stops.iter().filter_map(found).min() {
         let out = held[..at].to_string();
         held.clear();
         return (out, true);

@@ -257,6 +257,22 @@ const FAULTS: &[Expectation] = &[
         case: "glm-dsa/q8_0/*/tp1-shm/off",
         expect: "blk.0.indexer_top_k",
     },
+    // Server faults (the `plumbline-faults` binary the serve case builds from the fault xtask).
+    // The stop string is cut across a token boundary, so a search of the newest token's text
+    // never finds it: the answer runs to its length.
+    Expectation {
+        fault: Fault::ServeStopInOnePiece,
+        case: "llama/f16/*/tp1-shm/serve",
+        expect: "gate:stop",
+    },
+    // The text prefixes and the greedy prompt are admitted together, so all but the first chunk
+    // of a batch take their neighbour's row: at least three of the four prefixes, whose one
+    // token each the `concurrent` gate judges before the greedy answer.
+    Expectation {
+        fault: Fault::ServeRowOfNeighbour,
+        case: "llama/f16/*/tp1-shm/serve",
+        expect: "gate:concurrent",
+    },
 ];
 
 struct Outcome {
@@ -309,51 +325,14 @@ fn selected(names: &[String]) -> Result<Vec<&'static Expectation>> {
         .collect()
 }
 
-/// The xtask binary that has the engine's fault hooks: this one when it was built with them.
-/// Otherwise it is built in this binary's own target directory, where everything the feature does
-/// not touch (every third-party crate, the kernels, the reference) is shared with the plain build
-/// and only the engine and what depends on it compile again, under other artifact hashes; cargo
-/// puts the result at this binary's path, so it is copied to `xtask-faults` beside it and the
-/// plain binary is put back (a fresh build, nothing compiles), so the plain build never carries
-/// the hooks. A separate target directory (what `cargo xtask-faults` uses) would compile the whole
-/// dependency tree a second time.
+/// The xtask binary that has the engine's fault hooks: this one when it was built with them,
+/// otherwise `xtask-faults`, built beside the plain one (crate::release_build).
 fn fault_build() -> Result<PathBuf> {
-    let me = std::env::current_exe().context("locating the xtask binary")?;
     if cfg!(feature = "fault-injection") {
-        return Ok(me);
+        return std::env::current_exe().context("locating the xtask binary");
     }
-    let dir = me
-        .parent()
-        .with_context(|| format!("the folder of {}", me.display()))?;
     eprintln!("building the fault-injection xtask beside this one (the plain build has no hooks)");
-    cargo_build(&["--features", "fault-injection"])?;
-    let faulty = dir.join(format!("xtask-faults{}", std::env::consts::EXE_SUFFIX));
-    std::fs::copy(&me, &faulty).with_context(|| {
-        format!(
-            "copying the fault-injection build {} to {}",
-            me.display(),
-            faulty.display()
-        )
-    })?;
-    cargo_build(&[])?;
-    Ok(faulty)
-}
-
-/// `cargo build --release --package xtask` with `extra` arguments.
-fn cargo_build(extra: &[&str]) -> Result<()> {
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let status = Command::new(&cargo)
-        .args(["build", "--release", "--package", "xtask"])
-        .args(extra)
-        .status()
-        .context("running cargo build for xtask")?;
-    if !status.success() {
-        bail!(
-            "cargo build --release --package xtask {} failed ({status})",
-            extra.join(" ")
-        );
-    }
-    Ok(())
+    crate::release_build::with_faults("xtask", "xtask")
 }
 
 /// One verify run of the fault build over `case` with `fault` active (`None`: the control).
