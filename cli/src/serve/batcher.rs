@@ -998,6 +998,31 @@ mod tests {
         assert_eq!(run_stops(&["é", "è"], &["éa"]), ("éè".into(), false));
     }
 
+    /// Issue 28: two stop strings matching the same held text — the earliest match ends the
+    /// text, whichever string it is and in whatever order they were given; two possible starts
+    /// held at once are both kept until a piece decides them.
+    #[test]
+    fn two_stop_strings_in_the_same_held_text() {
+        for stops in [["o wo", "lo w"], ["lo w", "o wo"]] {
+            assert_eq!(
+                run_stops(&["Hel", "l", "o", " w", "orld"], &stops),
+                ("Hel".into(), true),
+                "{stops:?}"
+            );
+        }
+        // "ab" and "abc" both match at the same place: nothing of either is sent.
+        assert_eq!(run_stops(&["xa", "bc"], &["abc", "ab"]), ("x".into(), true));
+        // "aXb" and "bYc": after "a", "X" and "b" ... the held text is a possible start of both
+        // ("aXb" needs nothing more than "b"; "b" starts "bYc"); "Z" frees all of it.
+        let stops = vec!["aXbQ".to_string(), "bY".to_string()];
+        let mut held = String::new();
+        assert_eq!(scan_stop(&mut held, "-aX", &stops), ("-".into(), false));
+        assert_eq!(scan_stop(&mut held, "b", &stops), ("".into(), false));
+        assert_eq!(held, "aXb");
+        assert_eq!(scan_stop(&mut held, "Z", &stops), ("aXbZ".into(), false));
+        assert!(held.is_empty());
+    }
+
     #[test]
     fn held_text_is_only_a_possible_stop_start() {
         let stops = vec!["END".to_string()];
