@@ -1,5 +1,5 @@
 //! The options every model command shares — `--device`, `--threads`, `--isa`, `--tp`,
-//! `--weights` — parsed here once, and the one way the commands open a model on them
+//! `--weights`, `--kv-dtype` — parsed here once, and the one way the commands open a model on them
 //! ([`engine::exec::open`]).
 
 use std::path::Path;
@@ -8,6 +8,7 @@ use anyhow::{Context, Result};
 use engine::exec::{self, AnyEngine, Device, Topology};
 use engine::gguf::WeightPages;
 use engine::model::Model;
+use engine::runtime::KvDtype;
 use kernels::cpu::Isa;
 
 /// The CPU instruction set to run the kernels with.
@@ -24,6 +25,26 @@ impl From<IsaArg> for Isa {
             IsaArg::Scalar => Isa::Scalar,
             IsaArg::Avx2 => Isa::Avx2,
             IsaArg::Avx512 => Isa::Avx512,
+        }
+    }
+}
+
+/// Storage type of the KV cache.
+#[derive(Clone, Copy, Debug, Default, clap::ValueEnum)]
+pub enum KvDtypeArg {
+    /// Exact: a forward reads back what it wrote.
+    #[default]
+    F32,
+    /// Half the memory and bandwidth (llama.cpp's and vLLM's default): keys and values rounded
+    /// to f16 (round to nearest even) when written.
+    F16,
+}
+
+impl From<KvDtypeArg> for KvDtype {
+    fn from(a: KvDtypeArg) -> KvDtype {
+        match a {
+            KvDtypeArg::F32 => KvDtype::F32,
+            KvDtypeArg::F16 => KvDtype::F16,
         }
     }
 }
@@ -50,6 +71,10 @@ pub struct EngineArgs {
     /// most half the available memory)
     #[arg(long, default_value = "auto")]
     pub weights: WeightPages,
+    /// Storage of the KV cache: `f32` (exact) or `f16` (half the memory: twice the sequences
+    /// or the context in the same space)
+    #[arg(long, value_enum, default_value = "f32")]
+    pub kv_dtype: KvDtypeArg,
 }
 
 impl Default for EngineArgs {
@@ -60,6 +85,7 @@ impl Default for EngineArgs {
             isa: None,
             tp: 1,
             weights: WeightPages::Auto,
+            kv_dtype: KvDtypeArg::F32,
         }
     }
 }
@@ -77,6 +103,11 @@ impl EngineArgs {
                 Ok(d.clone())
             }
         }
+    }
+
+    /// The KV cache's storage type.
+    pub fn kv_dtype(&self) -> KvDtype {
+        self.kv_dtype.into()
     }
 
     pub fn topology(&self) -> Result<Topology> {

@@ -8,7 +8,6 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use engine::exec::{AnyEngine, BatchEngine, Session};
 use engine::model::Model;
-use engine::runtime::KvDtype;
 use engine::sampling::{Sampler, SamplerConfig};
 use engine::spec::{
     self, HeadRows, Limits, ModelProposer, NgramProposer, Proposer, SpecConfig, SpecError,
@@ -206,7 +205,7 @@ fn run_spec(
     cfg.validate().context("--spec tree settings")?;
     let mut cache = engine.new_cache(
         prompt_ids.len() + args.max_tokens + args.spec.budget + 2,
-        KvDtype::F32,
+        args.engine.kv_dtype(),
     )?;
     let limits = Limits {
         max_tokens: args.max_tokens,
@@ -300,7 +299,7 @@ pub fn run(args: Args) -> Result<()> {
     }
 
     let n_ctx = prompt_ids.len() + args.max_tokens;
-    let mut session = Session::new(&engine, n_ctx)?;
+    let mut session = Session::with_cache(&engine, n_ctx, args.engine.kv_dtype())?;
     let mut stdout = std::io::stdout().lock();
     let mut decoder = tokenizer.stream_decoder();
 

@@ -102,7 +102,7 @@ pub fn run(args: Args) -> Result<()> {
     let first = n_ctx / 2;
 
     let engine = args.engine.open(&model)?;
-    let mut session = Session::new(&engine, n_ctx)?;
+    let mut session = Session::with_cache(&engine, n_ctx, args.engine.kv_dtype())?;
     session.set_logits_all(true);
     let mut acc = PplAccumulator::default();
     let mut running = Vec::with_capacity(n_windows);

@@ -92,6 +92,13 @@ fn parse_budgets(s: &str) -> Result<Vec<Budget>> {
 }
 
 pub fn run(args: Args) -> Result<()> {
+    if args.engine.kv_dtype() != KvDtype::F32 {
+        anyhow::bail!(
+            "spec-bench pairs each run with plain decoding (engine::spec::generate_plain), \
+             which keeps an f32 cache: --kv-dtype {} would compare two different caches",
+            args.engine.kv_dtype().name()
+        );
+    }
     let model = args.engine.load_model(&args.model)?;
     let tokenizer = Tokenizer::from_gguf(model.gguf())
         .with_context(|| format!("reading the tokenizer of {}", args.model.display()))?;

@@ -33,7 +33,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use engine::exec::{AnyEngine, BatchEngine};
 use engine::model::Model;
-use engine::runtime::{Batch, KvDtype, Logits};
+use engine::runtime::{Batch, Logits};
 use engine::sampling::{Sampler, SamplerConfig};
 use engine::spec::verify::push_tree;
 use engine::spec::{
@@ -196,7 +196,7 @@ fn serve_on<E: BatchEngine>(
         .saturating_add(tree_cells)
         .saturating_mul(cfg.max_batch);
     let mut cache = engine
-        .new_cache(cells, KvDtype::F32)
+        .new_cache(cells, cfg.engine.kv_dtype())
         .context("creating the KV cache")?;
     let cost = match &cfg.spec {
         Some(s) if s.cfg.adaptive && s.cfg.shape.budget > 0 => Some(
