@@ -34,6 +34,7 @@ use super::libs::LibrarySearch;
 use super::nvrtc::Nvrtc;
 use super::sources::FILES;
 use crate::runtime::backend::{AttnMeta, Backend, KvDtype, KvSource, Strided, WeightData};
+use crate::runtime::counters::{AtomicCounters, DeviceCounters};
 use crate::runtime::error::check_len;
 use crate::runtime::params::{
     yarn_corr_dims, Activation, Gating, MoeConfig, RopeConfig, RopeStyle,
@@ -277,6 +278,8 @@ pub struct CudaBackend {
     params: HashMap<String, Vec<usize>>,
     ordinal: usize,
     arch: u32,
+    /// Launches, allocations, copies and weight reads so far ([`CudaBackend::counters`]).
+    counters: AtomicCounters,
 }
 
 impl CudaBackend {
@@ -371,6 +374,7 @@ impl CudaBackend {
             params,
             ordinal,
             arch: dev.arch,
+            counters: AtomicCounters::default(),
         })
     }
 
@@ -396,6 +400,24 @@ impl CudaBackend {
         &self.ctx
     }
 
+    /// Every counter back to zero (the device work counted since the backend started is
+    /// [`Backend::counters`]).
+    pub fn reset_counters(&self) {
+        self.counters.reset();
+    }
+
+    /// A new device allocation of `n` values (at least one: the driver rejects empty
+    /// allocations), zeroed; counted.
+    fn alloc_zeroed<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+        &self,
+        n: usize,
+    ) -> Result<CudaSlice<T>, RuntimeError> {
+        let n = n.max(1);
+        let mem = self.stream.alloc_zeros::<T>(n).map_err(drv)?;
+        self.counters.alloc(n * std::mem::size_of::<T>());
+        Ok(mem)
+    }
+
     fn ptr<T>(&self, s: &CudaSlice<T>) -> u64 {
         let (p, _sync) = s.device_ptr(&self.stream);
         p
@@ -409,6 +431,7 @@ impl CudaBackend {
         if let Some(sizes) = self.params.get(name) {
             check_args(name, sizes, args).map_err(|e| RuntimeError::Cuda(CudaError::Driver(e)))?;
         }
+        self.counters.launch();
         let vals: Vec<u64> = args.iter().map(|a| a.bits()).collect();
         let mut b = self.stream.launch_builder(f);
         for v in &vals {
@@ -446,7 +469,7 @@ impl CudaBackend {
         &self,
         n: usize,
     ) -> Result<Dev<T>, RuntimeError> {
-        let mem = self.stream.alloc_zeros::<T>(n.max(1)).map_err(drv)?;
+        let mem = self.alloc_zeroed::<T>(n)?;
         Ok(Dev { mem, len: n })
     }
 
@@ -458,6 +481,9 @@ impl CudaBackend {
             return self.zeros(0);
         }
         let mem = self.stream.clone_htod(v).map_err(drv)?;
+        let bytes = std::mem::size_of_val(v);
+        self.counters.alloc(bytes);
+        self.counters.htod(bytes);
         Ok(Dev { mem, len: v.len() })
     }
 
@@ -569,6 +595,8 @@ impl CudaBackend {
             shared_mem_bytes: 0,
         };
         let name = format!("{prefix}_{}", w.ty.name().to_ascii_lowercase());
+        // Each output row `o` (a token, or a token's expert slot) reads one whole matrix.
+        self.counters.weights_read(n_out * w.row_bytes * w.n_rows);
         // Kernel mmv[f]_<type>(w, u64 row_bytes, u64 mat_bytes, u32 n_mats, x, u32 k_dim,
         // u32 n_rows, u32 n_out, const u32* ids, u32 k_slots, u32 x_per_slot, float* out).
         self.launch(
@@ -605,6 +633,7 @@ impl CudaBackend {
         let wf = self.zeros::<u16>(n)?;
         let chunks = (n / 32) as u32;
         let name = format!("dequant_{}_f16", w.ty.name().to_ascii_lowercase());
+        self.counters.weights_read(w.row_bytes * w.n_rows);
         // Kernel dequant_<type>_f16(w, u64 row_bytes, u32 k_dim, u32 n_rows, u16* out).
         self.launch(
             &name,
@@ -686,6 +715,7 @@ impl CudaBackend {
             ],
         )?;
         let mut v = self.stream.clone_dtoh(&out.mem).map_err(drv)?;
+        self.counters.dtoh(std::mem::size_of_val(v.as_slice()));
         v.truncate(n_rows);
         Ok(v)
     }
@@ -725,6 +755,7 @@ impl CudaBackend {
             ],
         )?;
         let v = self.stream.clone_dtoh(&out.mem).map_err(drv)?;
+        self.counters.dtoh(std::mem::size_of_val(v.as_slice()));
         Ok(v.first().copied().unwrap_or(0))
     }
 }
@@ -834,6 +865,10 @@ impl Backend for CudaBackend {
         1
     }
 
+    fn counters(&self) -> Option<DeviceCounters> {
+        Some(self.counters.snapshot())
+    }
+
     fn alloc(&self, n: usize) -> Result<Dev<f32>, RuntimeError> {
         self.zeros(n)
     }
@@ -854,6 +889,7 @@ impl Backend for CudaBackend {
         self.stream
             .memcpy_dtoh(&buf.mem.slice(..buf.len), out.as_mut_slice())
             .map_err(drv)?;
+        self.counters.dtoh(buf.len * 4);
         self.stream.synchronize().map_err(drv)
     }
 
@@ -865,6 +901,7 @@ impl Backend for CudaBackend {
         self.stream
             .memcpy_dtoh(&ids.mem.slice(..ids.len), out.as_mut_slice())
             .map_err(drv)?;
+        self.counters.dtoh(ids.len * 4);
         self.stream.synchronize().map_err(drv)
     }
 
@@ -985,6 +1022,8 @@ impl Backend for CudaBackend {
         }
         let chunks = n_tokens * w.k_dim / 32;
         let name = format!("embed_{}", w.ty.name().to_ascii_lowercase());
+        // One row per token.
+        self.counters.weights_read(n_tokens * w.row_bytes);
         // Kernel embed_<type>(w, u64 row_bytes, u32 k_dim, u32 n_vocab, const u32* tokens,
         // u32 n_tokens, float* out); a token ≥ n_vocab gives a NaN row (the forward pass
         // checks ids on the host before they get here).
@@ -1484,8 +1523,8 @@ impl Backend for CudaBackend {
         // No cells yet; one-element placeholders (the driver rejects empty allocations).
         let store = || -> Result<KvStore, RuntimeError> {
             Ok(match dtype {
-                KvDtype::F32 => KvStore::F32(self.stream.alloc_zeros::<f32>(1).map_err(drv)?),
-                KvDtype::F16 => KvStore::F16(self.stream.alloc_zeros::<u16>(1).map_err(drv)?),
+                KvDtype::F32 => KvStore::F32(self.alloc_zeroed::<f32>(1)?),
+                KvDtype::F16 => KvStore::F16(self.alloc_zeroed::<u16>(1)?),
             })
         };
         Ok(CudaKv {
@@ -1507,8 +1546,9 @@ impl Backend for CudaBackend {
             let (keep, size) = (have * width, (n_cells * width).max(1));
             match s {
                 KvStore::F32(old) => {
-                    let mut new = self.stream.alloc_zeros::<f32>(size).map_err(drv)?;
+                    let mut new = self.alloc_zeroed::<f32>(size)?;
                     if keep > 0 {
+                        self.counters.kv_moved(keep * 4);
                         self.stream
                             .memcpy_dtod(&old.slice(..keep), &mut new.slice_mut(..keep))
                             .map_err(drv)?;
@@ -1516,8 +1556,9 @@ impl Backend for CudaBackend {
                     *old = new;
                 }
                 KvStore::F16(old) => {
-                    let mut new = self.stream.alloc_zeros::<u16>(size).map_err(drv)?;
+                    let mut new = self.alloc_zeroed::<u16>(size)?;
                     if keep > 0 {
+                        self.counters.kv_moved(keep * 2);
                         self.stream
                             .memcpy_dtod(&old.slice(..keep), &mut new.slice_mut(..keep))
                             .map_err(drv)?;
@@ -1594,6 +1635,7 @@ impl Backend for CudaBackend {
         };
         for (store, width) in [(&kv.k, kv.k_width), (&kv.v, kv.v_width)] {
             let words = width * words_per;
+            self.counters.kv_moved(moves.len() * words * 2);
             let base = match store {
                 KvStore::F32(s) => self.ptr(s),
                 KvStore::F16(s) => self.ptr(s),
