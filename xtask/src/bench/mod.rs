@@ -459,10 +459,13 @@ fn counters_markdown(rows: &[CounterRow], model_bytes: u64) -> String {
     s
 }
 
-/// A per-token count: whole numbers as such, fractions with one decimal.
+/// A per-token count: whole numbers as such, fractions with one decimal (three below 1, so a
+/// prefill's few allocations do not read as none).
 fn fmt_count(v: f64) -> String {
     if v.fract() == 0.0 {
         format!("{v:.0}")
+    } else if v < 1.0 {
+        format!("{v:.3}")
     } else {
         format!("{v:.1}")
     }

@@ -1820,10 +1820,13 @@ impl Backend for CudaBackend {
         }
         // Grow geometrically: twice the cells asked for, so that the cache is copied
         // O(log n) times as a context grows, not at every step.
-        let cap = n_cells
+        let mut cap = n_cells
             .checked_mul(2)
             .ok_or_else(|| shape("KV cells (< usize::MAX / 2)", usize::MAX / 2, n_cells))?
             .max(KV_MIN_CELLS);
+        if crate::faults::is_active(crate::faults::Fault::CudaKvGrowsByTheNewCells) {
+            cap = n_cells;
+        }
         let have = kv.n_cells;
         let grow = |s: &mut KvStore, width: usize| -> Result<(), RuntimeError> {
             let (keep, size) = (have * width, (cap * width).max(1));
