@@ -116,6 +116,12 @@ pub enum Fault {
     /// `freq_scale` passed in each other's place (both f32, so the launch's argument check
     /// cannot see it). First seen at `blk.0.q` on the CUDA backend.
     CudaRopeArgsSwapped,
+    /// CUDA only (engine/src/runtime/cuda/backend.rs, `kv_reserve`): a cache layer grows by
+    /// exactly the cells asked for, as it did before issue 29, so every decode step reallocates
+    /// each layer's K and V and copies every cell into the new allocation. The results are
+    /// right; only the device counters see it: first seen at the `decode_kv_moved` gate of a
+    /// CUDA case.
+    CudaKvGrowsByTheNewCells,
     /// The lightning indexer's top-k taken over the wrong axis: each query ranks the scores of
     /// its column (every query's score for one cell) instead of its row, as a kernel reading
     /// the `[query, cell]` scores transposed would (`model/forward.rs`, `indexer_select`; only
@@ -144,7 +150,7 @@ pub enum Fault {
 }
 
 impl Fault {
-    pub const ALL: [Fault; 33] = [
+    pub const ALL: [Fault; 34] = [
         Fault::RopePositionOffByOne,
         Fault::SkipResidualAdd,
         Fault::SlidingWindowOffByOne,
@@ -173,6 +179,7 @@ impl Fault {
         Fault::CudaCausalMaskOffByOne,
         Fault::CudaGemmMissingBarrier,
         Fault::CudaRopeArgsSwapped,
+        Fault::CudaKvGrowsByTheNewCells,
         Fault::IndexerTopKWrongAxis,
         Fault::IndexerFullLayerReuses,
         Fault::IndexerWeightsShardOrder,
@@ -210,6 +217,7 @@ impl Fault {
             Fault::CudaCausalMaskOffByOne => "cuda-causal-mask-off-by-one",
             Fault::CudaGemmMissingBarrier => "cuda-gemm-missing-barrier",
             Fault::CudaRopeArgsSwapped => "cuda-rope-args-swapped",
+            Fault::CudaKvGrowsByTheNewCells => "cuda-kv-grows-by-the-new-cells",
             Fault::IndexerTopKWrongAxis => "indexer-top-k-wrong-axis",
             Fault::IndexerFullLayerReuses => "indexer-full-layer-reuses",
             Fault::IndexerWeightsShardOrder => "indexer-weights-shard-order",

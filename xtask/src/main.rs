@@ -4,6 +4,7 @@
 mod bench;
 mod compare;
 mod cuda_emu;
+mod device_counters;
 mod fetch_model;
 mod golden;
 mod gpu_archive;

@@ -5,7 +5,8 @@
 
 use crate::model::Model;
 use crate::runtime::{
-    Batch, CellMeta, CpuBackend, KvCache, KvDtype, Logits, RuntimeError, SeqCache, SeqId,
+    Batch, CellMeta, CpuBackend, DeviceCounters, KvCache, KvDtype, Logits, RuntimeError, SeqCache,
+    SeqId,
 };
 use crate::taps::TapObserver;
 use crate::tp::{CommStats, TpCache, TpEngine, TpError, TpModel};
@@ -307,6 +308,24 @@ impl<'m> AnyEngine<'m> {
             #[cfg(feature = "cuda")]
             AnyEngine::CudaTp(e) => e.comm_stats(),
             _ => Vec::new(),
+        }
+    }
+
+    /// The device work its backends counted so far (summed over the ranks of a
+    /// tensor-parallel engine; see [`DeviceCounters`]), or `None` on the CPU, which counts
+    /// none. Subtract two snapshots for the work of the forwards in between.
+    pub fn device_counters(&self) -> Option<DeviceCounters> {
+        use crate::runtime::Backend;
+        match self {
+            AnyEngine::Cpu(_) | AnyEngine::CpuTp(_) => None,
+            #[cfg(feature = "cuda")]
+            AnyEngine::Cuda(e) => Backend::counters(e.backend()),
+            #[cfg(feature = "cuda")]
+            AnyEngine::CudaTp(e) => e
+                .backends()
+                .iter()
+                .map(Backend::counters)
+                .try_fold(DeviceCounters::default(), |acc, c| c.map(|c| acc.plus(&c))),
         }
     }
 

@@ -20,6 +20,7 @@ use std::borrow::Cow;
 
 use kernels::quant::GgmlType;
 
+use super::counters::DeviceCounters;
 use super::params::{Activation, MoeConfig, RopeConfig};
 
 use super::RuntimeError;
@@ -212,6 +213,14 @@ pub trait Backend: Send + Sync {
 
     /// Worker threads (CPU) or streams the backend computes with.
     fn threads(&self) -> usize;
+
+    /// The device work counted so far (launches, allocations, host↔device bytes, KV bytes
+    /// moved, weight bytes read; see [`DeviceCounters`]), for a backend that counts it: the
+    /// CUDA backend does, on a real or emulated device; the CPU backend has no device and
+    /// answers `None`. Subtract two snapshots for the work in between.
+    fn counters(&self) -> Option<DeviceCounters> {
+        None
+    }
 
     /// Run `f` where this backend's ops are cheapest to issue: the CPU backend runs it on one of
     /// its own worker threads, so the ops of a whole forward pass are split among the workers

@@ -16,6 +16,7 @@
 
 mod backend;
 mod batch;
+mod counters;
 mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -31,6 +32,7 @@ pub use backend::{
     SELECTED_NONE,
 };
 pub use batch::Batch;
+pub use counters::{AtomicCounters, DeviceCounters};
 pub use cpu::{CpuBackend, CpuKv, CpuMat};
 pub use error::RuntimeError;
 pub use kv_cache::{KvCache, KvLayout, SeqCache};

@@ -27,8 +27,8 @@ use engine::runtime::params::{Activation, Gating, MoeConfig, RopeConfig, RopeSty
 use engine::runtime::sampling::{self, Rng, Sampler, SamplerConfig};
 use engine::runtime::CpuBackend;
 use engine::runtime::{
-    AttnMeta, Backend, CellMeta, KvDtype, KvSource, Mask, QueryMeta, RuntimeError, Strided,
-    WeightData,
+    AttnMeta, Backend, CellMeta, DeviceCounters, KvDtype, KvSource, Mask, QueryMeta, RuntimeError,
+    Strided, WeightData,
 };
 
 /// NMSE bounds, Σ(a−b)²/Σb² of the backend under test (a) against the CPU backend (b), one per
@@ -1282,6 +1282,112 @@ pub(crate) fn argmax_and_sampling_on_the_device(g: &CudaBackend) {
     }
 }
 
+/// The device counters of `g` now.
+fn counted(g: &CudaBackend) -> DeviceCounters {
+    g.counters()
+        .unwrap_or_else(|| panic!("the CUDA backend counts its work"))
+}
+
+/// A cache layer grown one cell at a time, as decoding grows it, is reallocated and copied only
+/// when it outgrows its allocation, which doubles: 600 cells cost three allocations per side
+/// (256, 514 and 1030 cells) and copy 256 + 514 cells, not 600 copies of everything before.
+/// The cells written before each growth read back unchanged.
+pub(crate) fn kv_cache_grows_geometrically_and_keeps_its_cells(g: &CudaBackend) {
+    for dtype in [KvDtype::F16, KvDtype::F32] {
+        let (w, n) = (8usize, 600usize);
+        let elem = if dtype == KvDtype::F16 { 2 } else { 4 };
+        let mut kv = ok(g.kv_new(w, w, dtype), "kv_new");
+        let start = counted(g);
+        let mut moving_steps = 0;
+        for cell in 0..n {
+            let before = counted(g);
+            ok(g.kv_reserve(&mut kv, cell + 1), "kv_reserve");
+            let grew = counted(g).since(&before);
+            if grew.kv_bytes_moved > 0 {
+                moving_steps += 1;
+            }
+            // Small integers: exact in f16 too.
+            let row = vec![(cell % 1000) as f32; w];
+            let (k, v) = (up(g, &row), up(g, &row));
+            ok(g.kv_write(&mut kv, &[cell as u32], &k, &v), "kv_write");
+        }
+        let total = counted(g).since(&start);
+        assert_eq!(
+            moving_steps, 2,
+            "{dtype:?}: reservations that copied the cache"
+        );
+        assert_eq!(
+            total.kv_bytes_moved,
+            ((256 + 514) * w * 2 * elem) as u64,
+            "{dtype:?}"
+        );
+        let mut keys = ok(g.alloc(n * w), "alloc");
+        ok(g.kv_read_k(&kv, n, &mut keys), "kv_read_k");
+        let got = down(g, &keys);
+        for cell in 0..n {
+            assert_eq!(got[cell * w], cell as f32, "{dtype:?}: cell {cell}");
+        }
+    }
+}
+
+/// A temporary dropped goes back to the backend's pool: the next buffer of that size is not a
+/// new device allocation, and `alloc` still hands out zeros.
+pub(crate) fn temporaries_come_from_the_pool(g: &CudaBackend) {
+    let n = 1001;
+    drop(up(g, &vec![3.5; n]));
+    let before = counted(g);
+    let b = ok(g.alloc(n), "alloc");
+    let c = up(g, &vec![1.0; n]); // a second buffer of the size: the pool has none left
+    let d = counted(g).since(&before);
+    assert_eq!((d.allocs, d.alloc_bytes), (1, (n * 4) as u64), "{d:?}");
+    assert!(
+        down(g, &b).iter().all(|&x| x == 0.0),
+        "a pooled alloc is zeroed"
+    );
+    assert_eq!(down(g, &c), vec![1.0; n]);
+}
+
+/// Metadata arrays (here RoPE positions) are uploaded once and then only where they change.
+pub(crate) fn metadata_is_uploaded_only_where_it_changes(g: &CudaBackend) {
+    let rope = RopeConfig {
+        n_rot: 8,
+        freq_base: 10000.0,
+        freq_scale: 1.0,
+        style: RopeStyle::Neox,
+        yarn: None,
+    };
+    let (heads, dim) = (2, 8);
+    let mut pos: Vec<u32> = (100..110).collect();
+    let x = randn(pos.len() * heads * dim, 7);
+    let htod = |pos: &[u32]| {
+        let mut b = up(g, &x);
+        let before = counted(g);
+        ok(g.rope(&mut b, heads, dim, pos, &rope), "rope");
+        counted(g).since(&before).htod_bytes
+    };
+    let first = htod(&pos);
+    assert!(
+        first >= 40,
+        "the first call uploads the 10 positions: {first}"
+    );
+    assert_eq!(htod(&pos), 0, "the same positions again");
+    pos[4] = 7;
+    assert_eq!(htod(&pos), 4, "one position changed");
+    // The result does not depend on what was uploaded before: the CPU's rope of the same input.
+    let c = cpu();
+    let mut want = x.clone();
+    ok(c.rope(&mut want, heads, dim, &pos, &rope), "cpu rope");
+    let mut got = up(g, &x);
+    ok(g.rope(&mut got, heads, dim, &pos, &rope), "rope");
+    let got = down(g, &got);
+    let err: f32 = got
+        .iter()
+        .zip(&want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f32::max);
+    assert!(err < 1e-4, "max abs error {err}");
+}
+
 /// The suite's tests for one backend: `$device` is an expression of type `Option<B>` for some
 /// `B: Backend` (`None`: skipped, with the reason printed by it), `$model` one of type
 /// `Option<Model>` for the real-model test and `$steps` its number of decode steps.
@@ -1329,7 +1435,10 @@ macro_rules! cuda_tests {
     ($device:expr) => {
         crate::suite::backend_ops_tests!(@each $device;
             attention_head_width_limit,
-            argmax_and_sampling_on_the_device
+            argmax_and_sampling_on_the_device,
+            kv_cache_grows_geometrically_and_keeps_its_cells,
+            temporaries_come_from_the_pool,
+            metadata_is_uploaded_only_where_it_changes
         );
     };
 }

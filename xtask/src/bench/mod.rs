@@ -56,6 +56,18 @@ pub struct Args {
     /// Run plumbline alone (no llama.cpp build or run)
     #[arg(long)]
     pub no_peer: bool,
+    /// On a CUDA device (real or emulated): the contexts at which the device counters are
+    /// measured (a prefill of that many tokens into an empty cache, then decode steps)
+    #[arg(long, value_delimiter = ',', default_value = "64,512,4096")]
+    pub counters_ctx: Vec<usize>,
+    /// On a CUDA device: decode steps counted after each prefill (the first warms the
+    /// backend's buffer pool; the later ones are the steady state)
+    #[arg(long, default_value_t = 4)]
+    pub counters_decode: usize,
+    /// On a CUDA device: only the counters, no timed tests (the emulator takes seconds per
+    /// real-model decode step)
+    #[arg(long)]
+    pub counters_only: bool,
     /// Where the reports go
     #[arg(long, default_value = "target/bench")]
     pub out: PathBuf,
@@ -114,6 +126,26 @@ pub struct Report {
     pub bytes_per_token: u64,
     pub bandwidth: Vec<Bandwidth>,
     pub rows: Vec<Row>,
+    /// On a CUDA device: the device counters per prefill and per decoded token at each
+    /// context, beside the model's own weight bytes per decoded token.
+    pub counters: Vec<CounterRow>,
+    /// The model's own weight bytes per decoded token (what `counters` compares with).
+    pub model_decode_bytes: u64,
+}
+
+/// The device counters of one phase at one context, per token.
+#[derive(Debug, Clone, Serialize)]
+pub struct CounterRow {
+    pub ctx: usize,
+    /// `prefill` (per prompt token), `decode first` (the first step after the prefill) or
+    /// `decode steady` (the mean of the later steps).
+    pub phase: String,
+    /// Tokens the figures are averaged over.
+    pub tokens: usize,
+    /// `(counter, value per token)`, in [`engine::runtime::DeviceCounters::fields`] order.
+    pub per_token: Vec<(String, f64)>,
+    /// Weight bytes read per token ÷ the model's weight bytes per decoded token.
+    pub weights_ratio: f64,
 }
 
 /// xorshift64*: the random token ids of the tests (llama-bench uses `rand() % n_vocab`; only
@@ -196,6 +228,27 @@ pub fn run(args: Args) -> Result<()> {
         .sum();
 
     let mut ids = Ids(0x005E_ED0F_B3AC);
+    let decode_bytes = crate::device_counters::decode_weight_bytes(&model);
+    let mut counters = Vec::new();
+    if !on_cpu {
+        let engine = exec::open(&model, &args.device, &Topology::single())
+            .with_context(|| format!("opening the model on {}", args.device))?;
+        for &ctx in &args.counters_ctx {
+            eprintln!(
+                "bench: device counters at context {ctx} (+{} decode steps)",
+                args.counters_decode
+            );
+            let tokens = ids.tokens(bos, ctx + args.counters_decode, n_vocab);
+            if let Some(m) = crate::device_counters::measure(&engine, &tokens, ctx)? {
+                counters.extend(counter_rows(&m, decode_bytes));
+            }
+        }
+    }
+    let thread_counts = if args.counters_only && !on_cpu {
+        Vec::new()
+    } else {
+        thread_counts
+    };
     let mut rows = Vec::new();
     let mut bandwidth = Vec::new();
     for &threads in &thread_counts {
@@ -276,6 +329,8 @@ pub fn run(args: Args) -> Result<()> {
         bytes_per_token,
         bandwidth,
         rows,
+        counters,
+        model_decode_bytes: decode_bytes,
     };
     let md = markdown(&report);
     print!("{md}");
@@ -285,6 +340,7 @@ pub fn run(args: Args) -> Result<()> {
 fn markdown(r: &Report) -> String {
     let mut s = String::new();
     let _ = writeln!(s, "# cargo xtask bench\n");
+    s.push_str(&counters_markdown(&r.counters, r.model_decode_bytes));
     let _ = writeln!(
         s,
         "model `{}`, plumbline on {}, {} alternating reps after warm-up; tok/s mean ± sd\n",
@@ -333,6 +389,86 @@ fn markdown(r: &Report) -> String {
         let _ = writeln!(s, "peer: {p}");
     }
     s
+}
+
+/// The per-token rows of one measurement: the prefill, the first decode step, and the mean
+/// of the later decode steps.
+fn counter_rows(m: &crate::device_counters::Measured, model_bytes: u64) -> Vec<CounterRow> {
+    use crate::device_counters::{mean, per_token};
+    let row = |phase: &str, tokens: usize, v: [(&'static str, f64); 7]| {
+        let read = v
+            .iter()
+            .find(|(n, _)| *n == "weight_bytes_read")
+            .map_or(0.0, |x| x.1);
+        CounterRow {
+            ctx: m.ctx,
+            phase: phase.to_owned(),
+            tokens,
+            per_token: v.iter().map(|(n, x)| ((*n).to_owned(), *x)).collect(),
+            weights_ratio: read / model_bytes.max(1) as f64,
+        }
+    };
+    let mut out = vec![row(
+        "prefill",
+        m.ctx,
+        m.prefill.fields().map(|(n, v)| (n, per_token(v, m.ctx))),
+    )];
+    if let Some(first) = m.decode.first() {
+        out.push(row("decode first", 1, mean(std::slice::from_ref(first))));
+    }
+    if m.decode.len() > 1 {
+        out.push(row(
+            "decode steady",
+            m.decode.len() - 1,
+            mean(&m.decode[1..]),
+        ));
+    }
+    out
+}
+
+fn counters_markdown(rows: &[CounterRow], model_bytes: u64) -> String {
+    let mut s = String::new();
+    if rows.is_empty() {
+        return s;
+    }
+    let _ = writeln!(
+        s,
+        "## device counters per token\n\nthe model's weight bytes per decoded token: {model_bytes} \
+         ({:.2} MB)\n",
+        model_bytes as f64 / 1e6
+    );
+    let _ = writeln!(
+        s,
+        "| ctx | phase | tokens | launches | allocs | alloc B | H→D B | D→H B | KV moved B | \
+         weights read B | read ÷ model |"
+    );
+    let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|---|---|");
+    for r in rows {
+        let cells: Vec<String> = r.per_token.iter().map(|(_, v)| fmt_count(*v)).collect();
+        let _ = writeln!(
+            s,
+            "| {} | {} | {} | {} | {:.3} |",
+            r.ctx,
+            r.phase,
+            r.tokens,
+            cells.join(" | "),
+            r.weights_ratio
+        );
+    }
+    let _ = writeln!(s);
+    s
+}
+
+/// A per-token count: whole numbers as such, fractions with one decimal (three below 1, so a
+/// prefill's few allocations do not read as none).
+fn fmt_count(v: f64) -> String {
+    if v.fract() == 0.0 {
+        format!("{v:.0}")
+    } else if v < 1.0 {
+        format!("{v:.3}")
+    } else {
+        format!("{v:.1}")
+    }
 }
 
 fn write_reports(dir: &Path, r: &Report, md: &str) -> Result<()> {

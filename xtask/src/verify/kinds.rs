@@ -62,10 +62,15 @@ impl Kinds {
         env: &CaseEnv<'_>,
         refs: &mut ReferenceCache,
     ) -> Result<Outcome> {
-        match self.kinds.iter_mut().find(|k| k.runs(case)) {
-            Some(kind) => kind.run(case, env, refs),
+        let (result, measured) = match self.kinds.iter_mut().find(|k| k.runs(case)) {
+            Some(kind) => kind.run(case, env, refs)?,
             None => anyhow::bail!("{}: no kind of case runs spec {}", case.name(), case.spec),
+        };
+        // A CUDA device's efficiency counters, gated beside the case's own gates.
+        if super::counters::applies(case) {
+            return Ok((super::counters::attach(case, env, result)?, measured));
         }
+        Ok((result, measured))
     }
 }
 

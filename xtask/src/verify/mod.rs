@@ -7,6 +7,7 @@
 //! with the reference streaming layer by layer and its peak memory measured ([`model_file`]).
 
 mod common;
+mod counters;
 mod faults;
 mod gates;
 mod isolate;

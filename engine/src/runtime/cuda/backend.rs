@@ -4,8 +4,26 @@
 //!
 //! Storage: `Buf` is a device `f32` buffer, `Ids` a device `u32` buffer, `Mat` the weight's
 //! bytes uploaded unchanged (the GGML blocks), `Kv` a pair of device buffers (f32 or f16 bits).
-//! Per-token metadata (positions, cells, mask values) is uploaded once per op. Everything runs
-//! on the device's default stream, in order, so the host only waits in `download`.
+//! Everything runs on the device's default stream, in order, so the host only waits in
+//! `download`.
+//!
+//! Efficient by construction (issue 29), and counted ([`Backend::counters`]: launches,
+//! allocations, host↔device bytes, KV bytes moved, weight bytes read, which `cargo xtask
+//! verify` gates on every CUDA case):
+//!
+//! - a cache layer grows geometrically (twice the cells asked for), so a decode step within
+//!   its allocation copies nothing;
+//! - temporaries come from a [`Pool`] of freed buffers of the same exact size, so a
+//!   steady-state decode step makes no device allocation;
+//! - per-token metadata (RoPE positions, query and cell positions, sequences and batch
+//!   indices, cache cells, gathered rows) lives on the device with a host copy of what it
+//!   holds ([`Meta`]): every layer of a forward passes the same arrays, so each is uploaded
+//!   once per forward, and then only the values that changed (a decode step: a few bytes).
+//!
+//! The pool and the geometric growth loosen one check of the emulator: a kernel reading past
+//! what its caller reserved but within the allocation (a KV cell past `n_cells`, a metadata
+//! value past its array) is not an out-of-bounds access there. Pooled buffers have the exact
+//! size asked for, so every other buffer keeps the exact check.
 //!
 //! Products: decode (and any call with few tokens) runs the per-type matrix-vector kernel on
 //! activations quantized once to q8_1 (`mmv.cu`); prefill with at least [`GEMM_MIN_TOKENS`]
@@ -34,6 +52,7 @@ use super::libs::LibrarySearch;
 use super::nvrtc::Nvrtc;
 use super::sources::FILES;
 use crate::runtime::backend::{AttnMeta, Backend, KvDtype, KvSource, Strided, WeightData};
+use crate::runtime::counters::{AtomicCounters, DeviceCounters};
 use crate::runtime::error::check_len;
 use crate::runtime::params::{
     yarn_corr_dims, Activation, Gating, MoeConfig, RopeConfig, RopeStyle,
@@ -210,10 +229,143 @@ impl Arg {
 
 /// A device buffer of `len` values. The allocation has at least one element (the driver
 /// rejects empty allocations), so the logical length is kept here; it derefs to the slice for
-/// pointer arithmetic.
+/// pointer arithmetic. A buffer from the backend's [`Pool`] goes back to it when dropped
+/// (every stream operation is in order on the one stream, so a later op that takes it runs
+/// after every earlier op that used it).
 pub struct Dev<T> {
-    mem: CudaSlice<T>,
+    mem: std::mem::ManuallyDrop<CudaSlice<T>>,
     len: usize,
+    pool: Option<Arc<Pool>>,
+}
+
+impl<T> Drop for Dev<T> {
+    fn drop(&mut self) {
+        // SAFETY: `mem` is not used again: this is the end of `self`.
+        let mem = unsafe { std::mem::ManuallyDrop::take(&mut self.mem) };
+        match &self.pool {
+            Some(p) => p.give(mem),
+            None => drop(mem),
+        }
+    }
+}
+
+/// The most bytes of freed buffers the pool keeps; beyond it the largest are freed first, so
+/// the small buffers of a decode step stay while a long prefill's large ones go.
+const POOL_MAX_BYTES: usize = 1 << 30;
+
+/// Freed device buffers kept for reuse, by exact size in bytes: the workspace of the
+/// backend's temporaries. A forward pass allocates the same sizes as the forward before it
+/// (one-token decode steps in particular), so in steady state every buffer comes from here and
+/// no call reaches the driver's allocator. Exact sizes keep the emulator's bounds check exact:
+/// a buffer is never larger than what it was asked for.
+pub struct Pool {
+    stream: Arc<CudaStream>,
+    state: std::sync::Mutex<PoolState>,
+}
+
+#[derive(Default)]
+struct PoolState {
+    free: HashMap<usize, Vec<cudarc::driver::sys::CUdeviceptr>>,
+    bytes: usize,
+}
+
+impl Pool {
+    fn new(stream: Arc<CudaStream>) -> Pool {
+        Pool {
+            stream,
+            state: std::sync::Mutex::new(PoolState::default()),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, PoolState> {
+        // A panic elsewhere leaves the lists consistent (each change is one push or pop).
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A freed buffer of exactly `n` values of `T` (`n` ≥ 1), if one is kept.
+    fn take<T>(&self, n: usize) -> Option<CudaSlice<T>> {
+        let bytes = n * std::mem::size_of::<T>();
+        let mut st = self.lock();
+        let ptr = st.free.get_mut(&bytes)?.pop()?;
+        st.bytes -= bytes;
+        // SAFETY: `ptr` is a live allocation of `bytes` bytes that this pool owns (leaked from
+        // a CudaSlice of that size); the caller zeroes or overwrites it before any read.
+        Some(unsafe { self.stream.upgrade_device_ptr::<T>(ptr, n) })
+    }
+
+    /// Keep `mem` for reuse, freeing the largest kept buffers beyond [`POOL_MAX_BYTES`].
+    fn give<T>(&self, mem: CudaSlice<T>) {
+        let bytes = mem.len() * std::mem::size_of::<T>();
+        if bytes == 0 || bytes > POOL_MAX_BYTES {
+            return drop(mem);
+        }
+        let ptr = mem.leak();
+        let mut st = self.lock();
+        st.free.entry(bytes).or_default().push(ptr);
+        st.bytes += bytes;
+        while st.bytes > POOL_MAX_BYTES {
+            let Some(&largest) = st
+                .free
+                .iter()
+                .filter(|(_, v)| !v.is_empty())
+                .map(|(k, _)| k)
+                .max()
+            else {
+                break;
+            };
+            if let Some(p) = st.free.get_mut(&largest).and_then(Vec::pop) {
+                st.bytes -= largest;
+                self.free_raw(p, largest);
+            }
+        }
+    }
+
+    fn free_raw(&self, ptr: cudarc::driver::sys::CUdeviceptr, bytes: usize) {
+        // SAFETY: `ptr` is an allocation of `bytes` bytes this pool owned; dropping the slice
+        // frees it on the stream, after every op enqueued before.
+        drop(unsafe { self.stream.upgrade_device_ptr::<u8>(ptr, bytes) });
+    }
+}
+
+impl Drop for Pool {
+    fn drop(&mut self) {
+        let free = std::mem::take(&mut self.lock().free);
+        for (bytes, ptrs) in free {
+            for p in ptrs {
+                self.free_raw(p, bytes);
+            }
+        }
+    }
+}
+
+/// The per-token metadata arrays kernels read, each kept on the device with a host copy of
+/// what it holds: a call uploads only the values that changed since the last call with the
+/// same array (usually none: every layer of a forward passes the same positions and cells;
+/// a decode step changes the newest cell or two). The device copy grows geometrically, so it
+/// is reallocated O(log n) times as a context grows.
+#[derive(Clone, Copy)]
+enum Meta {
+    RopePos,
+    QPos,
+    QSeq,
+    CPos,
+    CSeq,
+    CBatch,
+    KvCells,
+    Rows,
+}
+
+const N_META: usize = 8;
+
+#[derive(Default)]
+struct MetaSlot {
+    host: Vec<u32>,
+    dev: Option<CudaSlice<u32>>,
+}
+
+#[derive(Default)]
+struct MetaCache {
+    slots: [MetaSlot; N_META],
 }
 
 impl<T> Dev<T> {
@@ -263,9 +415,15 @@ pub struct CudaKv {
     v: KvStore,
     k_width: usize,
     v_width: usize,
+    /// Cells reserved (`kv_reserve`): what kernels may address.
     n_cells: usize,
+    /// Cells allocated (at least `n_cells`; the cache grows geometrically).
+    cap: usize,
     dtype: KvDtype,
 }
+
+/// The fewest cells a cache layer allocates when it grows.
+const KV_MIN_CELLS: usize = 256;
 
 /// The CUDA backend of one device.
 pub struct CudaBackend {
@@ -277,6 +435,13 @@ pub struct CudaBackend {
     params: HashMap<String, Vec<usize>>,
     ordinal: usize,
     arch: u32,
+    /// Launches, allocations, copies and weight reads so far ([`Backend::counters`]).
+    counters: AtomicCounters,
+    /// Freed temporaries kept for reuse.
+    pool: Arc<Pool>,
+    /// The metadata arrays on the device; locked from the upload through the launch that
+    /// reads them, so two threads never interleave their contents.
+    meta: std::sync::Mutex<MetaCache>,
 }
 
 impl CudaBackend {
@@ -366,11 +531,14 @@ impl CudaBackend {
         }
         Ok(CudaBackend {
             ctx,
-            stream,
             funcs,
             params,
             ordinal,
             arch: dev.arch,
+            counters: AtomicCounters::default(),
+            pool: Arc::new(Pool::new(stream.clone())),
+            meta: std::sync::Mutex::new(MetaCache::default()),
+            stream,
         })
     }
 
@@ -396,6 +564,24 @@ impl CudaBackend {
         &self.ctx
     }
 
+    /// Every counter back to zero (the device work counted since the backend started is
+    /// [`Backend::counters`]).
+    pub fn reset_counters(&self) {
+        self.counters.reset();
+    }
+
+    /// A new device allocation of `n` values (at least one: the driver rejects empty
+    /// allocations), zeroed; counted.
+    fn alloc_zeroed<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+        &self,
+        n: usize,
+    ) -> Result<CudaSlice<T>, RuntimeError> {
+        let n = n.max(1);
+        let mem = self.stream.alloc_zeros::<T>(n).map_err(drv)?;
+        self.counters.alloc(n * std::mem::size_of::<T>());
+        Ok(mem)
+    }
+
     fn ptr<T>(&self, s: &CudaSlice<T>) -> u64 {
         let (p, _sync) = s.device_ptr(&self.stream);
         p
@@ -409,6 +595,7 @@ impl CudaBackend {
         if let Some(sizes) = self.params.get(name) {
             check_args(name, sizes, args).map_err(|e| RuntimeError::Cuda(CudaError::Driver(e)))?;
         }
+        self.counters.launch();
         let vals: Vec<u64> = args.iter().map(|a| a.bits()).collect();
         let mut b = self.stream.launch_builder(f);
         for v in &vals {
@@ -446,8 +633,18 @@ impl CudaBackend {
         &self,
         n: usize,
     ) -> Result<Dev<T>, RuntimeError> {
-        let mem = self.stream.alloc_zeros::<T>(n.max(1)).map_err(drv)?;
-        Ok(Dev { mem, len: n })
+        let mem = match self.pool.take::<T>(n.max(1)) {
+            Some(mut mem) => {
+                self.stream.memset_zeros(&mut mem).map_err(drv)?;
+                mem
+            }
+            None => self.alloc_zeroed::<T>(n)?,
+        };
+        Ok(Dev {
+            mem: std::mem::ManuallyDrop::new(mem),
+            len: n,
+            pool: Some(self.pool.clone()),
+        })
     }
 
     fn upload_any<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
@@ -457,8 +654,106 @@ impl CudaBackend {
         if v.is_empty() {
             return self.zeros(0);
         }
+        let bytes = std::mem::size_of_val(v);
+        let mem = match self.pool.take::<T>(v.len()) {
+            Some(mut mem) => {
+                self.stream.memcpy_htod(v, &mut mem).map_err(drv)?;
+                mem
+            }
+            None => {
+                self.counters.alloc(bytes);
+                self.stream.clone_htod(v).map_err(drv)?
+            }
+        };
+        self.counters.htod(bytes);
+        Ok(Dev {
+            mem: std::mem::ManuallyDrop::new(mem),
+            len: v.len(),
+            pool: Some(self.pool.clone()),
+        })
+    }
+
+    /// A copy of `v` on the device in an allocation of its own, outside the pool (weights:
+    /// they live as long as the engine, and a pool would keep them after).
+    fn upload_owned(&self, v: &[u8]) -> Result<Dev<u8>, RuntimeError> {
+        if v.is_empty() {
+            let mem = self.alloc_zeroed::<u8>(1)?;
+            return Ok(Dev {
+                mem: std::mem::ManuallyDrop::new(mem),
+                len: 0,
+                pool: None,
+            });
+        }
         let mem = self.stream.clone_htod(v).map_err(drv)?;
-        Ok(Dev { mem, len: v.len() })
+        self.counters.alloc(v.len());
+        self.counters.htod(v.len());
+        Ok(Dev {
+            mem: std::mem::ManuallyDrop::new(mem),
+            len: v.len(),
+            pool: None,
+        })
+    }
+
+    fn lock_meta(&self) -> std::sync::MutexGuard<'_, MetaCache> {
+        // A failed upload clears its slot (below), so a poisoned cache is still consistent.
+        self.meta.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The device address of metadata array `slot` holding `data`, uploading only the values
+    /// that differ from what the slot held (see [`Meta`]).
+    fn meta_ptr(
+        &self,
+        cache: &mut MetaCache,
+        slot: Meta,
+        data: &[u32],
+    ) -> Result<u64, RuntimeError> {
+        let s = &mut cache.slots[slot as usize];
+        let r = self.meta_update(s, data);
+        if r.is_err() {
+            // Unknown device contents: the next call uploads everything.
+            s.host.clear();
+            s.dev = None;
+        }
+        r
+    }
+
+    fn meta_update(&self, s: &mut MetaSlot, data: &[u32]) -> Result<u64, RuntimeError> {
+        let n = data.len();
+        let cap = s.dev.as_ref().map_or(0, |d| d.len());
+        let (lo, hi) = if cap < n.max(1) {
+            // Twice what is needed, so a growing context reallocates O(log n) times.
+            s.dev = Some(self.alloc_zeroed::<u32>((2 * n).max(64))?);
+            s.host.clear();
+            (0, n)
+        } else {
+            let common = s.host.len().min(n);
+            let lo = (0..common)
+                .find(|&i| s.host[i] != data[i])
+                .unwrap_or(common);
+            let hi = if n > common {
+                n
+            } else {
+                (lo..common)
+                    .rev()
+                    .find(|&i| s.host[i] != data[i])
+                    .map_or(lo, |i| i + 1)
+            };
+            (lo, hi)
+        };
+        let Some(dev) = s.dev.as_mut() else {
+            return Err(RuntimeError::Cuda(CudaError::Driver(
+                "metadata array missing after its allocation".into(),
+            )));
+        };
+        if hi > lo {
+            self.stream
+                .memcpy_htod(&data[lo..hi], &mut dev.slice_mut(lo..hi))
+                .map_err(drv)?;
+            self.counters.htod((hi - lo) * 4);
+        }
+        s.host.clear();
+        s.host.extend_from_slice(data);
+        Ok(self.ptr(dev))
     }
 
     /// Quantize `n_tok × k` activations to q8_1 blocks (36 bytes per 32 values).
@@ -569,6 +864,8 @@ impl CudaBackend {
             shared_mem_bytes: 0,
         };
         let name = format!("{prefix}_{}", w.ty.name().to_ascii_lowercase());
+        // Each output row `o` (a token, or a token's expert slot) reads one whole matrix.
+        self.counters.weights_read(n_out * w.row_bytes * w.n_rows);
         // Kernel mmv[f]_<type>(w, u64 row_bytes, u64 mat_bytes, u32 n_mats, x, u32 k_dim,
         // u32 n_rows, u32 n_out, const u32* ids, u32 k_slots, u32 x_per_slot, float* out).
         self.launch(
@@ -605,6 +902,7 @@ impl CudaBackend {
         let wf = self.zeros::<u16>(n)?;
         let chunks = (n / 32) as u32;
         let name = format!("dequant_{}_f16", w.ty.name().to_ascii_lowercase());
+        self.counters.weights_read(w.row_bytes * w.n_rows);
         // Kernel dequant_<type>_f16(w, u64 row_bytes, u32 k_dim, u32 n_rows, u16* out).
         self.launch(
             &name,
@@ -685,7 +983,8 @@ impl CudaBackend {
                 Arg::Ptr(self.ptr(&out)),
             ],
         )?;
-        let mut v = self.stream.clone_dtoh(&out.mem).map_err(drv)?;
+        let mut v = self.stream.clone_dtoh(&*out.mem).map_err(drv)?;
+        self.counters.dtoh(std::mem::size_of_val(v.as_slice()));
         v.truncate(n_rows);
         Ok(v)
     }
@@ -724,7 +1023,8 @@ impl CudaBackend {
                 Arg::Ptr(self.ptr(&out)),
             ],
         )?;
-        let v = self.stream.clone_dtoh(&out.mem).map_err(drv)?;
+        let v = self.stream.clone_dtoh(&*out.mem).map_err(drv)?;
+        self.counters.dtoh(std::mem::size_of_val(v.as_slice()));
         Ok(v.first().copied().unwrap_or(0))
     }
 }
@@ -834,6 +1134,10 @@ impl Backend for CudaBackend {
         1
     }
 
+    fn counters(&self) -> Option<DeviceCounters> {
+        Some(self.counters.snapshot())
+    }
+
     fn alloc(&self, n: usize) -> Result<Dev<f32>, RuntimeError> {
         self.zeros(n)
     }
@@ -854,6 +1158,7 @@ impl Backend for CudaBackend {
         self.stream
             .memcpy_dtoh(&buf.mem.slice(..buf.len), out.as_mut_slice())
             .map_err(drv)?;
+        self.counters.dtoh(buf.len * 4);
         self.stream.synchronize().map_err(drv)
     }
 
@@ -865,6 +1170,7 @@ impl Backend for CudaBackend {
         self.stream
             .memcpy_dtoh(&ids.mem.slice(..ids.len), out.as_mut_slice())
             .map_err(drv)?;
+        self.counters.dtoh(ids.len * 4);
         self.stream.synchronize().map_err(drv)
     }
 
@@ -896,7 +1202,7 @@ impl Backend for CudaBackend {
             row_bytes * w.n_rows * w.n_mats,
             w.data.len(),
         )?;
-        let data = self.upload_any(w.data.as_ref())?;
+        let data = self.upload_owned(w.data.as_ref())?;
         Ok(CudaMat {
             name: w.name.to_string(),
             ty: w.ty,
@@ -925,7 +1231,7 @@ impl Backend for CudaBackend {
         }
         if w.k_dim == 0 {
             // Sums over no values.
-            return self.stream.memset_zeros(&mut out.mem).map_err(drv);
+            return self.stream.memset_zeros(&mut *out.mem).map_err(drv);
         }
         // The GEMM multiplies f16 weights: F32 and BF16 weights (whose range or precision f16
         // would lose) stay on the matrix-vector kernels, and so do Q4_1 and Q5_1, whose dot
@@ -966,7 +1272,7 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         if w.k_dim == 0 {
-            return self.stream.memset_zeros(&mut out.mem).map_err(drv);
+            return self.stream.memset_zeros(&mut *out.mem).map_err(drv);
         }
         self.mmv(w, x, Some((ids, k, x_per_slot)), n_x, n_tokens * k, out)
     }
@@ -985,6 +1291,8 @@ impl Backend for CudaBackend {
         }
         let chunks = n_tokens * w.k_dim / 32;
         let name = format!("embed_{}", w.ty.name().to_ascii_lowercase());
+        // One row per token.
+        self.counters.weights_read(n_tokens * w.row_bytes);
         // Kernel embed_<type>(w, u64 row_bytes, u32 k_dim, u32 n_vocab, const u32* tokens,
         // u32 n_tokens, float* out); a token ≥ n_vocab gives a NaN row (the forward pass
         // checks ids on the host before they get here).
@@ -1127,7 +1435,8 @@ impl Backend for CudaBackend {
         if ext != 0.0 {
             mscale *= 1.0 + 0.1 * (1.0 / rope.freq_scale).ln();
         }
-        let pos = self.upload_u32(positions)?;
+        let mut meta = self.lock_meta();
+        let pos = self.meta_ptr(&mut meta, Meta::RopePos, positions)?;
         let style = match rope.style {
             RopeStyle::Normal => 0,
             RopeStyle::Neox => 1,
@@ -1150,7 +1459,7 @@ impl Backend for CudaBackend {
             },
             &[
                 Arg::Ptr(self.ptr(x)),
-                Arg::Ptr(self.ptr(&pos)),
+                Arg::Ptr(pos),
                 Arg::U32(positions.len() as u32),
                 Arg::U32(n_heads as u32),
                 Arg::U32(head_dim as u32),
@@ -1370,14 +1679,15 @@ impl Backend for CudaBackend {
                 r as usize,
             ));
         }
-        let r = self.upload_u32(rows)?;
+        let mut meta = self.lock_meta();
+        let r = self.meta_ptr(&mut meta, Meta::Rows, rows)?;
         // Kernel gather_rows(const float* x, const u32* rows, float* out, u32 n_out, u32 width).
         self.launch(
             "gather_rows",
             Self::grid(rows.len() * width),
             &[
                 Arg::Ptr(self.ptr(x)),
-                Arg::Ptr(self.ptr(&r)),
+                Arg::Ptr(r),
                 Arg::Ptr(self.ptr(out)),
                 Arg::U32(rows.len() as u32),
                 Arg::U32(width as u32),
@@ -1484,8 +1794,8 @@ impl Backend for CudaBackend {
         // No cells yet; one-element placeholders (the driver rejects empty allocations).
         let store = || -> Result<KvStore, RuntimeError> {
             Ok(match dtype {
-                KvDtype::F32 => KvStore::F32(self.stream.alloc_zeros::<f32>(1).map_err(drv)?),
-                KvDtype::F16 => KvStore::F16(self.stream.alloc_zeros::<u16>(1).map_err(drv)?),
+                KvDtype::F32 => KvStore::F32(self.alloc_zeroed::<f32>(1)?),
+                KvDtype::F16 => KvStore::F16(self.alloc_zeroed::<u16>(1)?),
             })
         };
         Ok(CudaKv {
@@ -1494,6 +1804,7 @@ impl Backend for CudaBackend {
             k_width,
             v_width,
             n_cells: 0,
+            cap: 0,
             dtype,
         })
     }
@@ -1502,13 +1813,28 @@ impl Backend for CudaBackend {
         if n_cells <= kv.n_cells {
             return Ok(());
         }
+        if n_cells <= kv.cap {
+            // Within the allocation: a decode step lands here, and moves nothing.
+            kv.n_cells = n_cells;
+            return Ok(());
+        }
+        // Grow geometrically: twice the cells asked for, so that the cache is copied
+        // O(log n) times as a context grows, not at every step.
+        let mut cap = n_cells
+            .checked_mul(2)
+            .ok_or_else(|| shape("KV cells (< usize::MAX / 2)", usize::MAX / 2, n_cells))?
+            .max(KV_MIN_CELLS);
+        if crate::faults::is_active(crate::faults::Fault::CudaKvGrowsByTheNewCells) {
+            cap = n_cells;
+        }
         let have = kv.n_cells;
         let grow = |s: &mut KvStore, width: usize| -> Result<(), RuntimeError> {
-            let (keep, size) = (have * width, (n_cells * width).max(1));
+            let (keep, size) = (have * width, (cap * width).max(1));
             match s {
                 KvStore::F32(old) => {
-                    let mut new = self.stream.alloc_zeros::<f32>(size).map_err(drv)?;
+                    let mut new = self.alloc_zeroed::<f32>(size)?;
                     if keep > 0 {
+                        self.counters.kv_moved(keep * 4);
                         self.stream
                             .memcpy_dtod(&old.slice(..keep), &mut new.slice_mut(..keep))
                             .map_err(drv)?;
@@ -1516,8 +1842,9 @@ impl Backend for CudaBackend {
                     *old = new;
                 }
                 KvStore::F16(old) => {
-                    let mut new = self.stream.alloc_zeros::<u16>(size).map_err(drv)?;
+                    let mut new = self.alloc_zeroed::<u16>(size)?;
                     if keep > 0 {
+                        self.counters.kv_moved(keep * 2);
                         self.stream
                             .memcpy_dtod(&old.slice(..keep), &mut new.slice_mut(..keep))
                             .map_err(drv)?;
@@ -1530,6 +1857,7 @@ impl Backend for CudaBackend {
         grow(&mut kv.k, kv.k_width)?;
         grow(&mut kv.v, kv.v_width)?;
         kv.n_cells = n_cells;
+        kv.cap = cap;
         Ok(())
     }
 
@@ -1552,7 +1880,8 @@ impl Backend for CudaBackend {
         if cells.is_empty() {
             return Ok(());
         }
-        let idx = self.upload_u32(cells)?;
+        let mut meta = self.lock_meta();
+        let idx = self.meta_ptr(&mut meta, Meta::KvCells, cells)?;
         let n = cells.len() as u32;
         for (store, src, width) in [(&kv.k, k, kv.k_width), (&kv.v, v, kv.v_width)] {
             let (name, dst) = match store {
@@ -1565,7 +1894,7 @@ impl Backend for CudaBackend {
                 Self::grid(cells.len() * width),
                 &[
                     Arg::Ptr(dst),
-                    Arg::Ptr(self.ptr(&idx)),
+                    Arg::Ptr(idx),
                     Arg::Ptr(self.ptr(src)),
                     Arg::U32(n),
                     Arg::U32(width as u32),
@@ -1594,6 +1923,7 @@ impl Backend for CudaBackend {
         };
         for (store, width) in [(&kv.k, kv.k_width), (&kv.v, kv.v_width)] {
             let words = width * words_per;
+            self.counters.kv_moved(moves.len() * words * 2);
             let base = match store {
                 KvStore::F32(s) => self.ptr(s),
                 KvStore::F16(s) => self.ptr(s),
@@ -1729,11 +2059,15 @@ impl Backend for CudaBackend {
                 m.head_dim_k,
             ));
         }
-        let q_pos = self.upload_u32(&m.queries.iter().map(|q| q.pos).collect::<Vec<_>>())?;
-        let q_seq = self.upload_u32(&m.queries.iter().map(|q| q.seq).collect::<Vec<_>>())?;
-        let c_pos = self.upload_u32(&m.cells.iter().map(|c| c.pos).collect::<Vec<_>>())?;
-        let c_seq = self.upload_u32(&m.cells.iter().map(|c| c.seq).collect::<Vec<_>>())?;
-        let c_batch = self.upload_u32(&m.cells.iter().map(|c| c.batch).collect::<Vec<_>>())?;
+        // Every layer of a forward passes the same queries and cells: uploaded once per
+        // forward (and then only what changed), see `Meta`.
+        let mut meta = self.lock_meta();
+        let mut arr = |slot, v: Vec<u32>| self.meta_ptr(&mut meta, slot, &v);
+        let q_pos = arr(Meta::QPos, m.queries.iter().map(|q| q.pos).collect())?;
+        let q_seq = arr(Meta::QSeq, m.queries.iter().map(|q| q.seq).collect())?;
+        let c_pos = arr(Meta::CPos, m.cells.iter().map(|c| c.pos).collect())?;
+        let c_seq = arr(Meta::CSeq, m.cells.iter().map(|c| c.seq).collect())?;
+        let c_batch = arr(Meta::CBatch, m.cells.iter().map(|c| c.batch).collect())?;
         let anc: Option<Dev<u64>> = if m.mask.tree && !m.ancestors.is_empty() {
             Some(self.upload_any(m.ancestors)?)
         } else {
@@ -1777,11 +2111,11 @@ impl Backend for CudaBackend {
                 Arg::U32(u32::from(m.mask.causal)),
                 Arg::U64(window),
                 Arg::U32(u32::from(m.mask.tree)),
-                Arg::Ptr(self.ptr(&q_pos)),
-                Arg::Ptr(self.ptr(&q_seq)),
-                Arg::Ptr(self.ptr(&c_pos)),
-                Arg::Ptr(self.ptr(&c_seq)),
-                Arg::Ptr(self.ptr(&c_batch)),
+                Arg::Ptr(q_pos),
+                Arg::Ptr(q_seq),
+                Arg::Ptr(c_pos),
+                Arg::Ptr(c_seq),
+                Arg::Ptr(c_batch),
                 Arg::U32(n_cells as u32),
                 Arg::Ptr(anc.as_ref().map_or(0, |a| self.ptr(a))),
                 Arg::U32(m.anc_words as u32),
