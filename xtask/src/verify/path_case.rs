@@ -831,7 +831,7 @@ mod tests {
         // The emulated device's fixture decode: 43 steps, across position 300.
         let s = schedule(PathMode::Decode, 340, DecodeFrom::Emulated).unwrap_or_default();
         assert_eq!(s.len(), 44);
-        assert!(DECODE_PREFILL_EMULATED < 300 && DECODE_PREFILL_EMULATED % 2 == 1);
+        const { assert!(DECODE_PREFILL_EMULATED < 300 && DECODE_PREFILL_EMULATED % 2 == 1) };
         // Too short a text for any decode step, and a spec that is no path: errors.
         assert!(schedule(
             PathMode::Decode,

@@ -211,7 +211,8 @@ mod tests {
     #[test]
     fn the_same_positions_are_no_flip() {
         let t = tap(&[[0.0, -1.0], [0.0, 1.0], [0.0, 1.0]]);
-        assert!(flips(&[t.clone()], &[t], &reference_scores(), 0, &|_| 1e-4).is_empty());
+        let same = std::slice::from_ref(&t);
+        assert!(flips(same, same, &reference_scores(), 0, &|_| 1e-4).is_empty());
     }
 
     #[test]
@@ -237,7 +238,7 @@ mod tests {
         let far = tap(&[[0.0, -1.0], [0.0, 1.0], [1.0, 2.0]]);
         let f = flips(
             &[far],
-            &[reference.clone()],
+            std::slice::from_ref(&reference),
             &reference_scores(),
             0,
             &|_| 1e-4,

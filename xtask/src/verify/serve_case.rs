@@ -154,51 +154,6 @@ fn prefix_lengths(n: usize) -> Vec<usize> {
     v
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn answer(pieces: &[&str], finish: &str) -> Answer {
-        let mut text = String::new();
-        let mut offsets = Vec::new();
-        for p in pieces {
-            offsets.push(text.len());
-            text.push_str(p);
-        }
-        Answer {
-            ids: (0..pieces.len() as u32).collect(),
-            rows: vec![0.0; pieces.len()],
-            text,
-            offsets,
-            finish: finish.to_owned(),
-        }
-    }
-
-    #[test]
-    fn the_stop_string_spans_the_middle_token_boundary() {
-        let g = answer(&[" The", " cat", " sat", " on", " the", " mat"], "length");
-        // Middle boundary: before " on" (offset 12); two characters before, three after.
-        assert_eq!(stop_string(&g).as_deref(), Some("at on"));
-    }
-
-    #[test]
-    fn the_stop_gate_wants_the_text_before_the_stop_string_and_finish_stop() {
-        let g = answer(&[" The", " cat", " sat", " on", " the", " mat"], "length");
-        let s = "at on";
-        let good = answer(&[" The", " cat", " s"], "stop");
-        assert!(stop_gate(&g, s, &good).passed);
-        // The stop string itself sent, or the held-back "at" lost, or the wrong finish reason.
-        for bad in [
-            answer(&[" The", " cat", " sat on"], "stop"),
-            answer(&[" The", " cat"], "stop"),
-            answer(&[" The", " cat", " s"], "length"),
-        ] {
-            let gate = stop_gate(&g, s, &bad);
-            assert!(!gate.passed, "{}", gate.detail);
-        }
-    }
-}
-
 /// One completion's answer.
 struct Answer {
     /// The tokens and, per token, a row of the top alternatives' log-probabilities ([`parse`]).
@@ -429,4 +384,49 @@ fn parse(lp: &Value, n_vocab: usize) -> Result<(Vec<u32>, Vec<f32>)> {
         }
     }
     Ok((ids, rows))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn answer(pieces: &[&str], finish: &str) -> Answer {
+        let mut text = String::new();
+        let mut offsets = Vec::new();
+        for p in pieces {
+            offsets.push(text.len());
+            text.push_str(p);
+        }
+        Answer {
+            ids: (0..pieces.len() as u32).collect(),
+            rows: vec![0.0; pieces.len()],
+            text,
+            offsets,
+            finish: finish.to_owned(),
+        }
+    }
+
+    #[test]
+    fn the_stop_string_spans_the_middle_token_boundary() {
+        let g = answer(&[" The", " cat", " sat", " on", " the", " mat"], "length");
+        // Middle boundary: before " on" (offset 12); two characters before, three after.
+        assert_eq!(stop_string(&g).as_deref(), Some("at on"));
+    }
+
+    #[test]
+    fn the_stop_gate_wants_the_text_before_the_stop_string_and_finish_stop() {
+        let g = answer(&[" The", " cat", " sat", " on", " the", " mat"], "length");
+        let s = "at on";
+        let good = answer(&[" The", " cat", " s"], "stop");
+        assert!(stop_gate(&g, s, &good).passed);
+        // The stop string itself sent, or the held-back "at" lost, or the wrong finish reason.
+        for bad in [
+            answer(&[" The", " cat", " sat on"], "stop"),
+            answer(&[" The", " cat"], "stop"),
+            answer(&[" The", " cat", " s"], "length"),
+        ] {
+            let gate = stop_gate(&g, s, &bad);
+            assert!(!gate.passed, "{}", gate.detail);
+        }
+    }
 }
