@@ -315,6 +315,7 @@ impl<'m> AnyEngine<'m> {
     /// tensor-parallel engine; see [`DeviceCounters`]), or `None` on the CPU, which counts
     /// none. Subtract two snapshots for the work of the forwards in between.
     pub fn device_counters(&self) -> Option<DeviceCounters> {
+        #[cfg(feature = "cuda")]
         use crate::runtime::Backend;
         match self {
             AnyEngine::Cpu(_) | AnyEngine::CpuTp(_) => None,
