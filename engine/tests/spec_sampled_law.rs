@@ -22,7 +22,7 @@ use std::collections::HashMap;
 use engine::sampling::{Sampler, SamplerConfig};
 use engine::spec::{
     walk, Flow, Limits, NgramProposer, Proposer, SamplerTarget, SpecError, TableProposer, Target,
-    Tree, TreeShape,
+    Tree, TreeShape, Walk,
 };
 
 /// Tree shapes of every kind the CLI builds: a chain, wide and shallow, deep, and budgets past
@@ -102,6 +102,60 @@ fn drafters(v: u32, target: fn(&[u32]) -> Vec<f64>) -> Vec<(&'static str, Table)
     ]
 }
 
+/// A round's walk of a tree after the text, emitting through the given function.
+type WalkTree<'a> = dyn FnMut(&Tree, &mut Vec<u32>, &mut dyn FnMut(u32) -> Flow) -> Walk + 'a;
+
+/// Speculative generation of `n` tokens after `prompt`: each round `drafter` proposes a tree
+/// after the text and `walk_tree` walks it (its target, over the tree, is the caller's), until
+/// the limit stops the walk. Returns the emitted tokens.
+fn rounds(
+    prompt: &[u32],
+    drafter: &mut dyn Proposer,
+    shape: TreeShape,
+    n: usize,
+    walk_tree: &mut WalkTree<'_>,
+) -> Vec<u32> {
+    let limits = Limits {
+        max_tokens: n,
+        ..Limits::default()
+    };
+    let mut history = prompt.to_vec();
+    let mut out: Vec<u32> = Vec::new();
+    loop {
+        let tree = drafter
+            .propose(&history, shape)
+            .unwrap_or_else(|e| panic!("{e}"));
+        let mut emit = |t: u32| {
+            let f = limits.after(&out, t);
+            if f != Flow::StopBefore {
+                out.push(t);
+            }
+            f
+        };
+        if walk_tree(&tree, &mut history, &mut emit).stopped {
+            return out;
+        }
+    }
+}
+
+/// Walk `tree` after `history` with `sampler` drawing from `logits` of each node's path text.
+fn sampled_walk(
+    tree: &Tree,
+    history: &mut Vec<u32>,
+    emit: &mut dyn FnMut(u32) -> Flow,
+    sampler: &mut Sampler,
+    logits: fn(&[u32]) -> Vec<f32>,
+) -> Walk {
+    let base = history.clone();
+    let row = |node: usize| -> Result<Vec<f32>, SpecError> {
+        let mut ctx = base.clone();
+        ctx.extend(tree.path_tokens(node));
+        Ok(logits(&ctx))
+    };
+    let mut target = SamplerTarget::new(row, sampler);
+    walk(tree, &mut target, history, emit).unwrap_or_else(|e| panic!("{e}"))
+}
+
 // ---------------------------------------------------------------------------------------------
 // 1. Exact, rational.
 
@@ -171,37 +225,19 @@ fn scripted_generation(
     shape: TreeShape,
     script: &[u32],
 ) -> (Vec<u32>, u128) {
-    let limits = Limits {
-        max_tokens: N3,
-        ..Limits::default()
-    };
-    let mut history = prompt.to_vec();
-    let mut out: Vec<u32> = Vec::new();
     let (mut used, mut weight) = (0, 1u128);
-    loop {
-        let tree = drafter
-            .propose(&history, shape)
-            .unwrap_or_else(|e| panic!("{e}"));
+    let out = rounds(prompt, drafter, shape, N3, &mut |tree, history, emit| {
         let mut target = Scripted {
             base: history.clone(),
-            tree: &tree,
+            tree,
             script,
             used: &mut used,
             weight: &mut weight,
         };
-        let mut emit = |t: u32| {
-            let f = limits.after(&out, t);
-            if f != Flow::StopBefore {
-                out.push(t);
-            }
-            f
-        };
-        let w = walk(&tree, &mut target, &mut history, &mut emit).unwrap_or_else(|e| panic!("{e}"));
-        if w.stopped {
-            assert_eq!(used, N3, "one draw per emitted token");
-            return (out, weight);
-        }
-    }
+        walk(tree, &mut target, history, emit).unwrap_or_else(|e| panic!("{e}"))
+    });
+    assert_eq!(used, N3, "one draw per emitted token");
+    (out, weight)
 }
 
 /// The target's law of every `N3`-token sequence after `prompt`, numerators over 997^N3.
@@ -307,14 +343,10 @@ fn logit_probs(ctx: &[u32]) -> Vec<f64> {
 
 fn configs() -> Vec<SamplerConfig> {
     vec![
+        // Plain softmax: greedy's neutral filters at temperature 1.
         SamplerConfig {
             temperature: 1.0,
-            top_k: 0,
-            top_p: 1.0,
-            min_p: 0.0,
-            repeat_penalty: 1.0,
-            repeat_last_n: 0,
-            seed: 0,
+            ..SamplerConfig::greedy()
         },
         SamplerConfig::default(),
         SamplerConfig {
@@ -346,35 +378,9 @@ fn speculative(
     shape: TreeShape,
 ) -> Vec<u32> {
     let mut s = Sampler::new(cfg);
-    let limits = Limits {
-        max_tokens: N,
-        ..Limits::default()
-    };
-    let mut history = prompt.to_vec();
-    let mut out: Vec<u32> = Vec::new();
-    loop {
-        let tree = drafter
-            .propose(&history, shape)
-            .unwrap_or_else(|e| panic!("{e}"));
-        let base = history.clone();
-        let row = |node: usize| -> Result<Vec<f32>, SpecError> {
-            let mut ctx = base.clone();
-            ctx.extend(tree.path_tokens(node));
-            Ok(logits(&ctx))
-        };
-        let mut target = SamplerTarget::new(row, &mut s);
-        let mut emit = |t: u32| {
-            let f = limits.after(&out, t);
-            if f != Flow::StopBefore {
-                out.push(t);
-            }
-            f
-        };
-        let w = walk(&tree, &mut target, &mut history, &mut emit).unwrap_or_else(|e| panic!("{e}"));
-        if w.stopped {
-            return out;
-        }
-    }
+    rounds(prompt, drafter, shape, N, &mut |tree, history, emit| {
+        sampled_walk(tree, history, emit, &mut s, logits)
+    })
 }
 
 #[test]
@@ -433,12 +439,7 @@ fn speculative_sampling_follows_the_law_of_general_distributions_by_chi_square()
     }
     let cfg = SamplerConfig {
         temperature: 1.0,
-        top_k: 0,
-        top_p: 1.0,
-        min_p: 0.0,
-        repeat_penalty: 1.0,
-        repeat_last_n: 0,
-        seed: 0,
+        ..SamplerConfig::greedy()
     };
     let prompt = vec![1u32, 3, 1, 3, 1];
     let runs = 30_000u64;
@@ -457,36 +458,13 @@ fn speculative_sampling_follows_the_law_of_general_distributions_by_chi_square()
     let mut counts: HashMap<Vec<u32>, u64> = HashMap::new();
     for seed in 0..runs {
         let mut s = Sampler::new(SamplerConfig { seed, ..cfg });
-        let limits = Limits {
-            max_tokens: N4,
-            ..Limits::default()
-        };
-        let mut history = prompt.clone();
-        let mut out = Vec::new();
-        loop {
-            let tree = drafter
-                .propose(&history, shape)
-                .unwrap_or_else(|e| panic!("{e}"));
-            let base = history.clone();
-            let row = |node: usize| -> Result<Vec<f32>, SpecError> {
-                let mut ctx = base.clone();
-                ctx.extend(tree.path_tokens(node));
-                Ok(logits4(&ctx))
-            };
-            let mut target = SamplerTarget::new(row, &mut s);
-            let mut emit = |t: u32| {
-                let f = limits.after(&out, t);
-                if f != Flow::StopBefore {
-                    out.push(t);
-                }
-                f
-            };
-            let w =
-                walk(&tree, &mut target, &mut history, &mut emit).unwrap_or_else(|e| panic!("{e}"));
-            if w.stopped {
-                break;
-            }
-        }
+        let out = rounds(
+            &prompt,
+            &mut drafter,
+            shape,
+            N4,
+            &mut |tree, history, emit| sampled_walk(tree, history, emit, &mut s, logits4),
+        );
         *counts.entry(out).or_default() += 1;
     }
     let mut chi2 = 0.0;
