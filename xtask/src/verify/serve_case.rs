@@ -256,8 +256,10 @@ fn stop_gate(greedy: &Answer, s: &str, answer: &Answer) -> GateResult {
         return GateResult::at_most("stop", 1.0, 0.0, format!("{s:?} is not in the greedy text"));
     };
     let want = &greedy.text[..at];
-    // The tokens the stopped answer needed: those whose text starts before the stop string.
-    let needed = greedy.offsets.iter().filter(|&&o| o < at).count();
+    // The tokens that decide the stopped answer: those whose text starts before the stop
+    // string ends (the last of them holds the stop string's end; a near-tie there changes
+    // whether the stop string appears at all).
+    let needed = greedy.offsets.iter().filter(|&&o| o < at + s.len()).count();
     let parted = greedy
         .ids
         .iter()
@@ -428,5 +430,30 @@ mod tests {
             let gate = stop_gate(&g, s, &bad);
             assert!(!gate.passed, "{}", gate.detail);
         }
+    }
+
+    /// The answers part at the token that holds the stop string's end (" on" against " in"):
+    /// the stop string never appears, which only a near-tie there makes legitimate.
+    #[test]
+    fn the_stop_gate_judges_a_parting_inside_the_stop_string_by_the_tie_rule() {
+        let n_vocab = 8;
+        let with = |pieces: &[&str], ids: Vec<u32>, rows: Vec<f32>| Answer {
+            ids,
+            rows,
+            ..answer(pieces, "length")
+        };
+        let tied = vec![0.0; 4 * n_vocab];
+        let g = with(&[" The", " cat", " sat", " on"], vec![0, 1, 2, 3], tied.clone());
+        let parted = with(&[" The", " cat", " sat", " in"], vec![0, 1, 2, 4], tied);
+        let gate = stop_gate(&g, "at on", &parted);
+        assert!(gate.passed, "{}", gate.detail);
+        assert!(gate.detail.contains("part"), "{}", gate.detail);
+        // The same parting where the greedy token led by 5 nats is a bug, not a tie.
+        let mut sharp = vec![0.0; 4 * n_vocab];
+        sharp[3 * n_vocab + 3] = 5.0;
+        let g = with(&[" The", " cat", " sat", " on"], vec![0, 1, 2, 3], sharp.clone());
+        let parted = with(&[" The", " cat", " sat", " in"], vec![0, 1, 2, 4], sharp);
+        let gate = stop_gate(&g, "at on", &parted);
+        assert!(!gate.passed, "{}", gate.detail);
     }
 }
