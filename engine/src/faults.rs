@@ -59,6 +59,11 @@ pub enum Fault {
     /// The verify forward's tree mask lets each draft node also see its previous sibling
     /// (`runtime/batch.rs`; first seen at the `spec.tree-mask` gate).
     TreeMaskSeesSibling,
+    /// The tree mask reads a cell's ancestor bit from the first word of the query's ancestor
+    /// bit set whatever the cell's batch index, as a kernel that assumed at most 64 tree tokens
+    /// would (`runtime/backend.rs`, `Mask::visible`). Invisible to trees of up to 63 drafts;
+    /// first seen at the `spec.tree-shapes` gate, whose trees run past 64 tokens.
+    TreeMaskFirstWordOnly,
     /// KV compaction after a verify keeps another node's cells in place of the last accepted
     /// node's (`spec/kv.rs`; first seen at the `spec.compact` gate).
     CompactKeepsWrongRow,
@@ -150,7 +155,7 @@ pub enum Fault {
 }
 
 impl Fault {
-    pub const ALL: [Fault; 34] = [
+    pub const ALL: [Fault; 35] = [
         Fault::RopePositionOffByOne,
         Fault::SkipResidualAdd,
         Fault::SlidingWindowOffByOne,
@@ -166,6 +171,7 @@ impl Fault {
         Fault::TpVocabGatherOrder,
         Fault::TpExpertWrongRank,
         Fault::TreeMaskSeesSibling,
+        Fault::TreeMaskFirstWordOnly,
         Fault::CompactKeepsWrongRow,
         Fault::AcceptPastRejection,
         Fault::AcceptByDraftProbability,
@@ -204,6 +210,7 @@ impl Fault {
             Fault::TpVocabGatherOrder => "tp-vocab-gather-order",
             Fault::TpExpertWrongRank => "tp-expert-wrong-rank",
             Fault::TreeMaskSeesSibling => "tree-mask-sees-sibling",
+            Fault::TreeMaskFirstWordOnly => "tree-mask-first-word-only",
             Fault::CompactKeepsWrongRow => "compact-keeps-wrong-row",
             Fault::AcceptPastRejection => "accept-past-rejection",
             Fault::AcceptByDraftProbability => "accept-by-draft-probability",

@@ -126,9 +126,12 @@ impl Mask {
         }
         if self.tree && cell.batch != CellMeta::COMMITTED {
             let b = cell.batch as usize;
-            return anc
-                .get(b / 64)
-                .is_some_and(|word| word >> (b % 64) & 1 == 1);
+            let word = if crate::faults::is_active(crate::faults::Fault::TreeMaskFirstWordOnly) {
+                0
+            } else {
+                b / 64
+            };
+            return anc.get(word).is_some_and(|word| word >> (b % 64) & 1 == 1);
         }
         true
     }

@@ -23,6 +23,7 @@ mod serve_case;
 mod spec_case;
 mod teacher_forced;
 mod tp_case;
+mod tree_shapes;
 
 use std::path::PathBuf;
 use std::time::Instant;

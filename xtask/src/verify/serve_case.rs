@@ -443,7 +443,11 @@ mod tests {
             ..answer(pieces, "length")
         };
         let tied = vec![0.0; 4 * n_vocab];
-        let g = with(&[" The", " cat", " sat", " on"], vec![0, 1, 2, 3], tied.clone());
+        let g = with(
+            &[" The", " cat", " sat", " on"],
+            vec![0, 1, 2, 3],
+            tied.clone(),
+        );
         let parted = with(&[" The", " cat", " sat", " in"], vec![0, 1, 2, 4], tied);
         let gate = stop_gate(&g, "at on", &parted);
         assert!(gate.passed, "{}", gate.detail);
@@ -451,7 +455,11 @@ mod tests {
         // The same parting where the greedy token led by 5 nats is a bug, not a tie.
         let mut sharp = vec![0.0; 4 * n_vocab];
         sharp[3 * n_vocab + 3] = 5.0;
-        let g = with(&[" The", " cat", " sat", " on"], vec![0, 1, 2, 3], sharp.clone());
+        let g = with(
+            &[" The", " cat", " sat", " on"],
+            vec![0, 1, 2, 3],
+            sharp.clone(),
+        );
         let parted = with(&[" The", " cat", " sat", " in"], vec![0, 1, 2, 4], sharp);
         let gate = stop_gate(&g, "at on", &parted);
         assert!(!gate.passed, "{}", gate.detail);

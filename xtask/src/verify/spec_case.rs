@@ -5,8 +5,12 @@
 //! 1. `spec.tree-mask`: every node of a verify forward (budget B, top-k K) has the logits of its
 //!    root-to-node path run as a plain sequence (ancestor-only mask ∩ sliding window, positions =
 //!    start + depth).
+//!    `spec.tree-shapes`: the same for trees as the drafters make them at the CLI's largest
+//!    budget (on the CPU) and hand-built ones: past 64 tokens, siblings and cousins adjacent in
+//!    batch order, a chain of 96 (`tree_shapes.rs`).
 //! 2. `spec.compact`: after keeping the deepest path, the next token's logits equal plain
-//!    decoding's of the same text, and the cells sit at positions `0..n`.
+//!    decoding's of the same text, and the cells sit at positions `0..n`; `spec.compact-skip`:
+//!    the same for a kept path whose nodes are spread over the batch.
 //! 3. `spec.accept-walk`: every round of a greedy run, re-walked independently from the
 //!    recorded node logits: each emitted token is the argmax at its node, the path follows
 //!    exactly those tokens and stops at the first node without a matching child.
@@ -30,6 +34,8 @@ use harness::gate::GateResult;
 use harness::report::Figure;
 use harness::throughput::DEFAULT_NOISE_MARGIN;
 
+use super::tree_shapes::{self, rel_err};
+
 /// Same arithmetic on the same rows, differing only by the kernels' token tiling (summation
 /// order): ≤ 1e-5 of a row's largest logit on the fixtures (engine/tests/core.rs); the real
 /// model's 18 layers were measured at ≤ 2e-5. A mask that lets a node see a sibling, or a wrong
@@ -39,11 +45,6 @@ const LOGIT_REL_TOL: f64 = 1e-3;
 pub struct SpecRun {
     pub gates: Vec<GateResult>,
     pub figures: Vec<Figure>,
-}
-
-fn rel_err(a: &[f32], b: &[f32]) -> f64 {
-    let scale = b.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6);
-    f64::from(a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale)
 }
 
 fn plain_logits(engine: &AnyEngine<'_>, tokens: &[u32]) -> Result<Vec<f32>> {
@@ -160,6 +161,49 @@ pub fn run(
         ),
     ));
 
+    // 1b. The shapes drafters make at the CLI's largest budget and hand-built ones past 64
+    // tokens with adjacent siblings (tree_shapes.rs). The drafted trees need one plain run per
+    // leaf (up to ~200): on the CPU only, every drafter on the fixtures, the n-gram drafter's
+    // on the real model.
+    let shapes_started = std::time::Instant::now();
+    let root = *prompt.last().context("an empty speculation prompt")?;
+    let mut shapes = tree_shapes::built(root, n_vocab);
+    if engine.cpu_isa().is_some() {
+        shapes.extend(tree_shapes::drafted(
+            engine, &prompt, &oracle, top_k, !real,
+        )?);
+    }
+    let worst_shapes = shapes
+        .iter()
+        .map(|s| tree_shapes::check(engine, &prompt, s))
+        .collect::<Result<Vec<_>>>()?;
+    figures.push(Figure::new(
+        "tree_shapes_s",
+        shapes_started.elapsed().as_secs_f64(),
+        "s",
+    ));
+    let worst = worst_shapes
+        .iter()
+        .max_by(|a, b| a.rel_err.total_cmp(&b.rel_err))
+        .cloned();
+    let listed: Vec<String> = worst_shapes
+        .iter()
+        .map(|w| format!("{} ({} nodes) {:.1e}", w.shape, w.nodes, w.rel_err))
+        .collect();
+    gates.push(GateResult::at_most(
+        "spec.tree-shapes",
+        worst.as_ref().map_or(0.0, |w| w.rel_err),
+        LOGIT_REL_TOL,
+        format!(
+            "{}; worst: {}",
+            listed.join(", "),
+            worst.map_or("-".into(), |w| format!(
+                "{} node {} (depth {}) rel err {:.2e} against its path run plainly",
+                w.shape, w.node, w.depth, w.rel_err
+            ))
+        ),
+    ));
+
     // 2. Compaction: keep the deepest path, decode one more token.
     let deepest = (0..tree.len())
         .max_by_key(|&i| (tree.depth(i), usize::MAX - i))
@@ -170,16 +214,7 @@ pub fn run(
     text.extend(tree.path_tokens(deepest));
     let next = *oracle.get(text.len()).unwrap_or(&0);
     let pos = cache.next_pos(SEQ);
-    let layout_ok = {
-        let mut p: Vec<u32> = cache
-            .cells()
-            .iter()
-            .filter(|c| c.seq == SEQ)
-            .map(|c| c.pos)
-            .collect();
-        p.sort_unstable();
-        p == (0..text.len() as u32).collect::<Vec<_>>()
-    };
+    let layout_ok = tree_shapes::cells_at_positions(&cache, text.len());
     let l = engine.forward(&mut cache, &Batch::chain(SEQ, pos, &[next], false), None)?;
     cache.commit();
     text.push(next);
@@ -193,6 +228,22 @@ pub fn run(
             path.len(),
             text.len() - 1,
             if layout_ok { "yes" } else { "no" }
+        ),
+    ));
+
+    // 2b. Compaction of a path whose nodes are spread over the batch: the fan's last branch,
+    // one node in every eight, its last nodes past batch index 64.
+    let fan = tree_shapes::fan(root, 8, 10, n_vocab);
+    let e = tree_shapes::compact_skipping(engine, &prompt, &fan, fan.len() - 1)?;
+    gates.push(GateResult::at_most(
+        "spec.compact-skip",
+        e,
+        LOGIT_REL_TOL,
+        format!(
+            "kept the fan 8×10's path to node {} (nodes {:?}); next-token rel err {e:.2e} \
+             against plain decoding (inf: cells not at positions 0..n)",
+            fan.len() - 1,
+            fan.path_to(fan.len() - 1)
         ),
     ));
 
