@@ -41,6 +41,10 @@ pub struct Args {
     /// (`--server-arg=--spec --server-arg=tree`, `--server-arg=--tp --server-arg=2`)
     #[arg(long = "server-arg", allow_hyphen_values = true)]
     pub server_args: Vec<String>,
+    /// Serve with this `plumbline` binary instead of building the workspace's (a before/after
+    /// comparison: build the other commit into its own target directory and pass its binary)
+    #[arg(long)]
+    pub bin: Option<PathBuf>,
     /// Print JSON instead of a table
     #[arg(long)]
     pub json: bool,
@@ -95,7 +99,11 @@ pub fn run(args: Args) -> Result<()> {
         None => crate::fetch_model::cached_path("gemma3-270m")?
             .context("the real model is not fetched: run cargo xtask fetch-model gemma3-270m, or pass --model")?,
     };
-    let bin = build_plumbline()?;
+    let bin = match &args.bin {
+        Some(b) if b.is_file() => b.clone(),
+        Some(b) => bail!("--bin {}: no such file", b.display()),
+        None => build_plumbline()?,
+    };
     let max_c = args.concurrency.iter().copied().max().unwrap_or(1);
     let mut extra: Vec<String> = vec![
         "--max-batch".into(),
