@@ -320,8 +320,9 @@ pub fn run(args: Args) -> Result<()> {
         },
         peer: peer.map(|p| {
             format!(
-                "llama.cpp (llama-cpp-python {} sdist) {}",
+                "llama.cpp (llama-cpp-python {} sdist, built {}) {}",
                 peer::VERSION,
+                peer::BUILT_FOR,
                 p.display()
             )
         }),

@@ -1,5 +1,7 @@
 //! The peer: llama.cpp's `llama-bench`, built from the llama.cpp source vendored in the PyPI
-//! sdist of `llama-cpp-python`, cached under `~/.cache/plumbline/peers/llama.cpp-<version>`.
+//! sdist of `llama-cpp-python`, cached under
+//! `~/.cache/plumbline/peers/llama.cpp-<version>-native-noamx` (built for this machine, AMX off:
+//! [`BUILT_FOR`]).
 //! Nothing of it is committed; the first `cargo xtask bench` builds it (about 20 minutes on two
 //! cores), later runs reuse the cached binary.
 
@@ -10,6 +12,17 @@ use anyhow::{bail, Context, Result};
 
 /// The `llama-cpp-python` release whose vendored llama.cpp is the peer (it runs Gemma 3).
 pub const VERSION: &str = "0.3.16";
+
+/// How the peer is compiled: for this machine's ISA (`GGML_NATIVE`, `-march=native`) but never
+/// with AMX. Intel VMs advertise AMX in CPUID without the OS granting the tile state, and a
+/// native build then dies with SIGILL on `tilezero` in ggml's AMX kernels; plumbline has no AMX
+/// kernels either, so the comparison is AVX-512 (or AVX2) against AVX-512 (or AVX2) on every
+/// machine. GCC honours an explicit `-mno-…` over what `-march=native` implies, in any order.
+pub const BUILT_FOR: &str = "-march=native without AMX";
+
+/// The cache folder's suffix for [`BUILT_FOR`]: a peer cached by an older build (with AMX where
+/// the CPU advertised it) is not reused.
+const BUILD_TAG: &str = "native-noamx";
 
 /// `$PLUMBLINE_PEERS`, else `~/.cache/plumbline/peers`.
 fn peers_dir() -> Result<PathBuf> {
@@ -48,7 +61,7 @@ fn has_cmake() -> bool {
 
 /// The cached `llama-bench`, building it first when it is missing.
 pub fn llama_bench() -> Result<PathBuf> {
-    let dir = peers_dir()?.join(format!("llama.cpp-{VERSION}"));
+    let dir = peers_dir()?.join(format!("llama.cpp-{VERSION}-{BUILD_TAG}"));
     let bin = dir.join("build/bin/llama-bench");
     if bin.is_file() {
         return Ok(bin);
@@ -118,12 +131,16 @@ pub fn llama_bench() -> Result<PathBuf> {
             .args([
                 "-DCMAKE_BUILD_TYPE=Release",
                 "-DGGML_NATIVE=ON",
+                "-DGGML_AMX_TILE=OFF",
+                "-DGGML_AMX_INT8=OFF",
+                "-DGGML_AMX_BF16=OFF",
                 "-DLLAMA_CURL=OFF",
                 "-DBUILD_SHARED_LIBS=OFF",
                 "-DLLAMA_BUILD_TESTS=OFF",
                 "-DLLAMA_BUILD_EXAMPLES=OFF",
                 "-DLLAMA_BUILD_SERVER=OFF",
-            ]),
+            ])
+            .args(no_amx_flags()),
         "configuring llama.cpp",
         &dir.join("configure.log"),
     )?;
@@ -141,6 +158,18 @@ pub fn llama_bench() -> Result<PathBuf> {
         bail!("the build finished but {} is not there", bin.display());
     }
     Ok(bin)
+}
+
+/// The compiler flags that keep AMX out of a native build (x86-64 only; elsewhere none).
+fn no_amx_flags() -> Vec<String> {
+    if !cfg!(target_arch = "x86_64") {
+        return Vec::new();
+    }
+    let off = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16";
+    vec![
+        format!("-DCMAKE_C_FLAGS={off}"),
+        format!("-DCMAKE_CXX_FLAGS={off}"),
+    ]
 }
 
 /// Which llama-bench test to run.
