@@ -237,6 +237,21 @@ fn every_type_every_isa_matches_the_dequantized_oracle() {
     }
 }
 
+/// Every token count from 1 to twice the largest token tile, on every ISA and weight type: the
+/// small-batch path (up to `SMALL_BATCH`), the 16-token tiles and the 64-token panels, each with
+/// every tail length, over 9 rows (no row tile divides it). A tail bug of one ISA shows here, not
+/// only in a verify case that happens to run that ISA with that remainder.
+#[test]
+fn every_token_count_to_two_panel_tiles_on_every_isa_matches_the_oracle() {
+    for k in backends() {
+        for (ti, ty) in TYPES.into_iter().enumerate() {
+            for n in 1..=2 * PANEL_TOK_TILE {
+                check_against_oracle(&k, ty, (9, QK_K, n), (ti * 1000 + n) as u64);
+            }
+        }
+    }
+}
+
 /// ggml's test-backend-ops bound for matrix products: NMSE = Σ(a − b)² / Σb² ≤ 5e-4. Here `b`
 /// is the product with the raw f32 activations, so the bound covers the activation
 /// quantization that ggml's CPU backend does. The weights are the dequantized stored weights
