@@ -87,6 +87,12 @@ pub enum Fault {
     /// path would (`CpuBackend::matmul`). A token count that is a multiple of the tile, or of at
     /// most one tile, hides it; first seen at `blk.0.q` of the chunked case (chunk of 67).
     PrefillTileTail,
+    /// The AVX2 backend only: a product of more than 16 tokens whose count is not a multiple of
+    /// 16 gives the first token of its last, partial 16-token tile the previous token's
+    /// outputs, as one ISA's tail path reading the wrong accumulator would (`CpuBackend::matmul`). The AVX-512 and scalar
+    /// backends are right, so a machine's best backend never shows it; first seen at `blk.0.q`
+    /// of a chunked case on `cpu-avx2`.
+    Avx2TileTail,
     /// A decode step (one token, no tree) at a position past 300 attends as if it sat one
     /// position earlier, so its own newest KV cell is left out (`model/forward.rs`, the step's
     /// query positions). Invisible to prefills and to short decodes; first seen at `blk.0.attn`
@@ -155,7 +161,7 @@ pub enum Fault {
 }
 
 impl Fault {
-    pub const ALL: [Fault; 35] = [
+    pub const ALL: [Fault; 36] = [
         Fault::RopePositionOffByOne,
         Fault::SkipResidualAdd,
         Fault::SlidingWindowOffByOne,
@@ -178,6 +184,7 @@ impl Fault {
         Fault::AcceptZeroProbability,
         Fault::Q8_0BlockTail,
         Fault::PrefillTileTail,
+        Fault::Avx2TileTail,
         Fault::DecodeLateKvOffByOne,
         Fault::MoeWeightsSwapped,
         Fault::TpMlaShardOrder,
@@ -217,6 +224,7 @@ impl Fault {
             Fault::AcceptZeroProbability => "accept-zero-probability",
             Fault::Q8_0BlockTail => "q8_0-block-tail",
             Fault::PrefillTileTail => "prefill-tile-tail",
+            Fault::Avx2TileTail => "avx2-tile-tail",
             Fault::DecodeLateKvOffByOne => "decode-late-kv-off-by-one",
             Fault::MoeWeightsSwapped => "moe-weights-swapped",
             Fault::TpMlaShardOrder => "tp-mla-shard-order",

@@ -587,6 +587,17 @@ impl Backend for CpuBackend {
                 *v *= 1.0 + 1.0 / 256.0;
             }
         }
+        const AVX2_TILE: usize = 16;
+        if self.isa() == Isa::Avx2
+            && n_tokens > AVX2_TILE
+            && !n_tokens.is_multiple_of(AVX2_TILE)
+            && faults::is_active(Fault::Avx2TileTail)
+        {
+            // The AVX2 kernels' last, partial 16-token tile: its first token's outputs are the
+            // previous token's (the accumulator of the tile before).
+            let tail = n_tokens / AVX2_TILE * AVX2_TILE * w.n_rows;
+            out.copy_within(tail - w.n_rows..tail, tail);
+        }
         Ok(())
     }
 

@@ -193,6 +193,13 @@ const FAULTS: &[Expectation] = &[
         case: "llama/f16/*/tp1-shm/chunked",
         expect: "blk.0.q",
     },
+    // One ISA's tail: only the AVX2 backend's chunked case (a fixture chunked on every CPU
+    // backend) runs its products with a partial 16-token tile; the best backend's cases pass.
+    Expectation {
+        fault: Fault::Avx2TileTail,
+        case: "gemma3/*/cpu-avx2/tp1-shm/chunked",
+        expect: "blk.0.q",
+    },
     // Only decode steps past position 300: the decode case steps one token at a time to 340;
     // q/k/v are right, attention over the cells without the newest one is not.
     Expectation {
