@@ -56,6 +56,12 @@ pub enum Fault {
     /// Expert-parallel ranks hold the weights of the next rank's experts while routing their
     /// own (first seen at the first MoE layer's `ffn_out`).
     TpExpertWrongRank,
+    /// The shared-memory all-reduce sums on each rank from its own partial round the ring
+    /// instead of in rank order on every rank (`tp/comm.rs`), so from three ranks on the
+    /// replicated activations differ in their last bits between ranks: within every tolerance,
+    /// yet the ranks compute on different inputs from then on. First seen at the TP cases'
+    /// `tp.rank-agreement` gate (a TP 4 case: rank 1's `blk.0.attn_out`).
+    TpReduceOwnOrder,
     /// The verify forward's tree mask lets each draft node also see its previous sibling
     /// (`runtime/batch.rs`; first seen at the `spec.tree-mask` gate).
     TreeMaskSeesSibling,
@@ -161,7 +167,7 @@ pub enum Fault {
 }
 
 impl Fault {
-    pub const ALL: [Fault; 36] = [
+    pub const ALL: [Fault; 37] = [
         Fault::RopePositionOffByOne,
         Fault::SkipResidualAdd,
         Fault::SlidingWindowOffByOne,
@@ -176,6 +182,7 @@ impl Fault {
         Fault::TpMissingAttnAllReduce,
         Fault::TpVocabGatherOrder,
         Fault::TpExpertWrongRank,
+        Fault::TpReduceOwnOrder,
         Fault::TreeMaskSeesSibling,
         Fault::TreeMaskFirstWordOnly,
         Fault::CompactKeepsWrongRow,
@@ -216,6 +223,7 @@ impl Fault {
             Fault::TpMissingAttnAllReduce => "tp-missing-attn-allreduce",
             Fault::TpVocabGatherOrder => "tp-vocab-gather-order",
             Fault::TpExpertWrongRank => "tp-expert-wrong-rank",
+            Fault::TpReduceOwnOrder => "tp-reduce-own-order",
             Fault::TreeMaskSeesSibling => "tree-mask-sees-sibling",
             Fault::TreeMaskFirstWordOnly => "tree-mask-first-word-only",
             Fault::CompactKeepsWrongRow => "compact-keeps-wrong-row",

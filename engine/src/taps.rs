@@ -23,12 +23,58 @@ pub trait TapObserver {
     fn replace(&mut self, _name: &str) -> Option<&[f32]> {
         None
     }
+
+    /// Tensor parallelism, for verification: a tap every rank holds whole (replicated after an
+    /// all-reduce, or all-gathered) whose bits on `d.rank` differ from rank 0's, which is the
+    /// one [`Self::tap`] saw. Replicated computations must stay bit-identical across ranks (the
+    /// communicator sums in one order on every rank); values within a tolerance are not enough,
+    /// ranks that drift apart compute different things later. The default ignores it.
+    fn ranks_disagree(&mut self, _d: RankDisagreement) {}
+}
+
+/// A replicated tap whose bits differ between rank 0 and another rank.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RankDisagreement {
+    pub tap: String,
+    pub rank: usize,
+    /// Values whose bits differ, of `len` (a shape that differs: every value).
+    pub differ: usize,
+    pub len: usize,
+    /// The first differing value: its index, rank 0's value and this rank's.
+    pub first: (usize, f32, f32),
+}
+
+impl RankDisagreement {
+    /// Compare `other` (rank `rank`'s `tap`) with rank 0's `data` bit for bit; `None` when equal.
+    pub fn between(tap: &str, rank: usize, data: &[f32], other: &[f32]) -> Option<Self> {
+        let differs = |(a, b): (&f32, &f32)| a.to_bits() != b.to_bits();
+        let mut pairs = data.iter().zip(other).enumerate();
+        let (i, (a, b)) = match pairs.find(|(_, p)| differs(*p)) {
+            Some((i, (a, b))) => (i, (*a, *b)),
+            None if data.len() == other.len() => return None,
+            None => (data.len().min(other.len()), (f32::NAN, f32::NAN)),
+        };
+        let differ = if data.len() == other.len() {
+            data.iter().zip(other).filter(|p| differs(*p)).count()
+        } else {
+            data.len().max(other.len())
+        };
+        Some(RankDisagreement {
+            tap: tap.to_owned(),
+            rank,
+            differ,
+            len: data.len(),
+            first: (i, a, b),
+        })
+    }
 }
 
 /// Collects every tap into memory: the simplest observer, for tests and dumps.
 #[derive(Debug, Default, Clone)]
 pub struct TapRecorder {
     pub taps: Vec<RecordedTap>,
+    /// Replicated taps whose bits differ between ranks (tensor parallelism only).
+    pub disagreements: Vec<RankDisagreement>,
 }
 
 /// One tap as [`TapRecorder`] keeps it.
@@ -62,6 +108,10 @@ impl TapObserver for TapRecorder {
             shape: shape.to_vec(),
             data: data.to_vec(),
         });
+    }
+
+    fn ranks_disagree(&mut self, d: RankDisagreement) {
+        self.disagreements.push(d);
     }
 }
 
@@ -112,4 +162,22 @@ impl Taps<'_> {
 #[inline]
 pub fn blk(layer: usize, what: &str) -> Cow<'static, str> {
     Cow::Owned(format!("blk.{layer}.{what}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rank_disagreement_is_bitwise() {
+        let a = [1.0f32, -0.0, f32::NAN, 2.0];
+        assert_eq!(RankDisagreement::between("t", 1, &a, &a), None);
+        // -0.0 against 0.0 is equal as a value and different as bits; one ulp is a difference.
+        let b = [1.0f32, 0.0, f32::NAN, f32::from_bits(2.0f32.to_bits() + 1)];
+        let d = RankDisagreement::between("t", 3, &a, &b).expect("differs");
+        assert_eq!((d.rank, d.differ, d.len, d.first.0), (3, 2, 4, 1));
+        // A rank without the tap (or another shape) differs everywhere.
+        let d = RankDisagreement::between("t", 1, &a, &[]).expect("differs");
+        assert_eq!((d.differ, d.first.0), (4, 0));
+    }
 }

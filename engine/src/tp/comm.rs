@@ -17,6 +17,8 @@
 use std::sync::{Arc, Condvar, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
+use crate::faults::{self, Fault};
+
 /// A failed collective.
 #[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
 pub enum CommError {
@@ -206,7 +208,17 @@ impl ShmComm {
     }
 
     fn reduce_into(&self, buf: &mut [f32]) -> Result<(), CommError> {
-        for (r, slot) in self.group.slots.iter().enumerate() {
+        let n = self.group.slots.len();
+        // The fault: each rank starts from its own partial and goes round (a ring's order), so
+        // from three ranks on the sums differ in their last bits from rank to rank.
+        let first = if faults::is_active(Fault::TpReduceOwnOrder) {
+            self.rank
+        } else {
+            0
+        };
+        for k in 0..n {
+            let r = (first + k) % n;
+            let slot = &self.group.slots[r];
             let s = slot.read().map_err(|_| CommError::Aborted)?;
             if s.len() != buf.len() {
                 return Err(CommError::Length {
@@ -215,7 +227,7 @@ impl ShmComm {
                     found: s.len(),
                 });
             }
-            if r == 0 {
+            if k == 0 {
                 buf.copy_from_slice(&s);
             } else {
                 buf.iter_mut().zip(s.iter()).for_each(|(b, v)| *b += v);

@@ -9,7 +9,8 @@
 //! Taps are gathered to their full shape before the observer sees them: a head-split tap
 //! (`q`, `k`, `v`, `attn`) is put together from every rank's columns, every other tap is
 //! replicated after its all-reduce and taken from rank 0. So the harness compares a TP run with
-//! the reference exactly as it compares TP 1.
+//! the reference exactly as it compares TP 1. A replicated tap whose bits differ on another rank
+//! is reported to the observer (`TapObserver::ranks_disagree`).
 
 use std::ops::Range;
 
@@ -21,7 +22,7 @@ use crate::model::{
 use crate::runtime::{
     Backend, Batch, CellMeta, KvCache, KvDtype, Logits, RuntimeError, SeqCache, SeqId, Shared,
 };
-use crate::taps::{TapObserver, TapRecorder, Taps};
+use crate::taps::{RankDisagreement, TapObserver, TapRecorder, Taps};
 
 use super::comm::{CommStats, Communicator};
 use super::plan::{Decisions, MoeMode, Placement, PlanError, ShardPlan};
@@ -641,6 +642,14 @@ impl<'t, B: Backend + 't> TpEngine<'t, B> {
         for (i, t) in rank0.taps.iter().enumerate() {
             let Some((parts, full)) = tap_layout(c, d, &t.name) else {
                 obs.tap(&t.name, &t.shape, &t.data);
+                // Every rank holds it whole: the same bits on every rank, or a finding.
+                for (r, (_, rec)) in outs.iter().enumerate().skip(1) {
+                    let other = rec.taps.get(i).filter(|o| o.name == t.name);
+                    let data = other.map_or(&[][..], |o| o.data.as_slice());
+                    if let Some(dis) = RankDisagreement::between(&t.name, r, &t.data, data) {
+                        obs.ranks_disagree(dis);
+                    }
+                }
                 continue;
             };
             let n = t.shape.first().copied().unwrap_or(0);

@@ -129,6 +129,13 @@ const FAULTS: &[Expectation] = &[
         case: "deepseek2/q4_k/*/tp2-shm/off",
         expect: "blk.1.ffn_out",
     },
+    // Bits, not values: every tap is within its tolerance of the reference; ranks 1-3 of 4 sum
+    // each all-reduce in another order, and only the bit-for-bit rank agreement sees it.
+    Expectation {
+        fault: Fault::TpReduceOwnOrder,
+        case: "llama/f16/*/tp4-shm/off",
+        expect: "gate:tp.rank-agreement",
+    },
     // Each side tokenizes with its own tokenizer: the engine's ids lack the BOS the reference's
     // have, and the `tokens` gate (judged before any tap) is the finding.
     Expectation {

@@ -94,6 +94,7 @@ pub fn run(
     let logits = session
         .forward(&engine_tokens, Some(&mut recorder))
         .context("engine forward pass")?;
+    let disagreements = std::mem::take(&mut recorder.disagreements);
     let engine_taps: Vec<Tap> = recorder
         .taps
         .into_iter()
@@ -229,6 +230,7 @@ pub fn run(
         )?);
     }
     if let Some(e) = &tp_engine {
+        gates.push(super::tp_case::rank_agreement_gate(&disagreements));
         let (f, gate) = super::tp_case::comm_report(e, &reference.prompt, 16)?;
         figures.extend(f);
         gates.push(gate);

@@ -6,7 +6,8 @@
 //!   matrix gives TP 2/4/8 to its extended models; [`extend`] adds them for every other fixture
 //!   architecture. Each TP case also reports the communication per decoded token: all-reduce
 //!   count and bytes, the time measured on `shm`, and the time modelled for PCIe Gen5 ×16 and
-//!   NVLink 4/5 ([`engine::tp::cost`]); a gate requires the measured count to equal the plan's.
+//!   NVLink 4/5 ([`engine::tp::cost`]); a gate requires the measured count to equal the plan's,
+//!   and `tp.rank-agreement` requires every replicated tap to have the same bits on every rank.
 //! - **Split-set cases** (`MODEL@split-ORDER/…`): the model is written as a split set with the
 //!   engine's GGUF writer (shard 0: metadata and the global tensors; shard k: layer k−1) and
 //!   listed to the engine in ORDER (`021`: shards 0, 2, 1; `rev`: reversed), which must place
@@ -21,6 +22,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use engine::exec::{AnyEngine, BatchEngine, Device, Session};
 use engine::model::Model;
 use engine::runtime::Batch;
+use engine::taps::RankDisagreement;
 use engine::tp::cost::{self, TokenComm, LINKS};
 use harness::cases::{Case, MachineCaps, ModelSource, Spec, Topology, TP_DEGREES};
 use harness::gate::GateResult;
@@ -130,6 +132,29 @@ pub fn topology(case: &Case) -> Result<engine::exec::Topology> {
         );
     }
     Ok(engine::exec::Topology::tp(case.tp.max(1) as usize))
+}
+
+/// The `tp.rank-agreement` gate: every tap the ranks hold whole (after each all-reduce and
+/// all-gather: `attn_out`, `ffn_out`, the norms, the residual, the router, the logits) has the
+/// same bits on every rank (`engine::taps::RankDisagreement`); the finding is the first tap in
+/// forward order that does not, with the rank and the first differing value.
+pub fn rank_agreement_gate(d: &[RankDisagreement]) -> GateResult {
+    let detail = match d.first() {
+        None => "every replicated tap has the same bits on every rank".to_owned(),
+        Some(f) => format!(
+            "{} replicated tap(s) differ between ranks; first {}: rank {} differs from rank 0 in \
+             {} of {} values, first at {}: {:e} (rank 0) against {:e}",
+            d.len(),
+            f.tap,
+            f.rank,
+            f.differ,
+            f.len,
+            f.first.0,
+            f.first.1,
+            f.first.2
+        ),
+    };
+    GateResult::at_most("tp.rank-agreement", d.len() as f64, 0.0, detail)
 }
 
 /// Decode `n` tokens after `prompt` on the ranks and report the communication per token,
