@@ -65,6 +65,11 @@ pub enum Fault {
     /// The verify forward's tree mask lets each draft node also see its previous sibling
     /// (`runtime/batch.rs`; first seen at the `spec.tree-mask` gate).
     TreeMaskSeesSibling,
+    /// Attention lets a query see a cell written by the same forward at its own position
+    /// whatever the cell's sequence (`runtime/backend.rs`, `Mask::visible`): invisible while a
+    /// batch holds one sequence, or sequences at different positions. First seen at the batched
+    /// case's `batch.taps` gate (`blk.0.attn` of three sequences starting together).
+    BatchSeesOtherSequence,
     /// The tree mask reads a cell's ancestor bit from the first word of the query's ancestor
     /// bit set whatever the cell's batch index, as a kernel that assumed at most 64 tree tokens
     /// would (`runtime/backend.rs`, `Mask::visible`). Invisible to trees of up to 63 drafts;
@@ -167,7 +172,7 @@ pub enum Fault {
 }
 
 impl Fault {
-    pub const ALL: [Fault; 37] = [
+    pub const ALL: [Fault; 38] = [
         Fault::RopePositionOffByOne,
         Fault::SkipResidualAdd,
         Fault::SlidingWindowOffByOne,
@@ -184,6 +189,7 @@ impl Fault {
         Fault::TpExpertWrongRank,
         Fault::TpReduceOwnOrder,
         Fault::TreeMaskSeesSibling,
+        Fault::BatchSeesOtherSequence,
         Fault::TreeMaskFirstWordOnly,
         Fault::CompactKeepsWrongRow,
         Fault::AcceptPastRejection,
@@ -225,6 +231,7 @@ impl Fault {
             Fault::TpExpertWrongRank => "tp-expert-wrong-rank",
             Fault::TpReduceOwnOrder => "tp-reduce-own-order",
             Fault::TreeMaskSeesSibling => "tree-mask-sees-sibling",
+            Fault::BatchSeesOtherSequence => "batch-sees-other-sequence",
             Fault::TreeMaskFirstWordOnly => "tree-mask-first-word-only",
             Fault::CompactKeepsWrongRow => "compact-keeps-wrong-row",
             Fault::AcceptPastRejection => "accept-past-rejection",

@@ -114,7 +114,15 @@ impl Mask {
     #[inline]
     pub fn visible(&self, q: QueryMeta, cell: CellMeta, anc: &[u64]) -> bool {
         if cell.seq != q.seq || cell.seq == CellMeta::FREE {
-            return false;
+            // The fault: a cell of this forward at the query's own position passes whatever its
+            // sequence, as a diagonal test by position instead of by sequence would.
+            let leak = crate::faults::is_active(crate::faults::Fault::BatchSeesOtherSequence)
+                && cell.seq != CellMeta::FREE
+                && cell.pos == q.pos
+                && cell.batch != CellMeta::COMMITTED;
+            if !leak {
+                return false;
+            }
         }
         if self.causal && cell.pos > q.pos {
             return false;

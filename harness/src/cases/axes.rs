@@ -127,6 +127,9 @@ pub enum PathMode {
     Decode,
     /// Served by `plumbline serve` and judged through its HTTP API.
     Serve,
+    /// Several sequences of the text in ragged batches (prefill beside decode, equal positions),
+    /// each judged against its run alone and the reference.
+    Batched,
 }
 
 impl fmt::Display for PathMode {
@@ -136,6 +139,7 @@ impl fmt::Display for PathMode {
             PathMode::Chunked => "chunked",
             PathMode::Decode => "decode",
             PathMode::Serve => "serve",
+            PathMode::Batched => "batched",
         })
     }
 }
@@ -148,6 +152,7 @@ impl FromStr for PathMode {
             "chunked" => Ok(PathMode::Chunked),
             "decode" => Ok(PathMode::Decode),
             "serve" => Ok(PathMode::Serve),
+            "batched" => Ok(PathMode::Batched),
             _ => Err(HarnessError::UnknownPath(s.to_owned())),
         }
     }

@@ -452,6 +452,16 @@ impl Matrix {
                 }
             }
         }
+        // Several sequences in ragged batches (xtask verify/batch_case.rs), every fixture on the
+        // best CPU backend.
+        for m in models.iter().filter(|m| m.source == ModelSource::Fixture) {
+            if let Some(w0) = m.weights.first() {
+                cases.push(
+                    Case::new(&m.name, w0, cpu, 1, Topology::Shm, Spec::Off)
+                        .on_path(PathMode::Batched),
+                );
+            }
+        }
         // The chunked path on the other CPU backends too, for every fixture (each covers a weight
         // type's kernels): its odd chunks leave every tile a tail, and a tail bug in one ISA's
         // kernels is invisible to the best backend's cases.
@@ -737,10 +747,11 @@ mod tests {
         // Base: (1 + 3 + 2) weight types × 3 CPU backends = 18. Extended (gemma3-270m, llama):
         // 6 CUDA + 3 CPU TP + 6 CUDA TP (sm90 stand-in) + 4 spec (CPU b8k4 and b16k4, TP2,
         // CUDA) + 1 serve = 20 each. Paths: chunked and decode of every model's first weight
-        // type on the best CPU backend, 2 × 3, and chunked of each fixture on the other two CPU
-        // backends, 2 × 2. Emulated CUDA: every model × weight type (6), the fixtures' paths
-        // (2 × 2), speculation and TP 2 of the extended fixture (2).
-        assert_eq!(cases.len(), 18 + 2 * 20 + 2 * 3 + 2 * 2 + 6 + 4 + 2);
+        // type on the best CPU backend, 2 × 3, chunked of each fixture on the other two CPU
+        // backends, 2 × 2, and each fixture's batched case, 2. Emulated CUDA: every model ×
+        // weight type (6), the fixtures' paths (2 × 2), speculation and TP 2 of the extended
+        // fixture (2).
+        assert_eq!(cases.len(), 18 + 2 * 20 + 2 * 3 + 2 * 2 + 2 + 6 + 4 + 2);
         let names: std::collections::BTreeSet<String> = cases.iter().map(Case::name).collect();
         assert_eq!(names.len(), cases.len());
         for n in [
@@ -774,6 +785,7 @@ mod tests {
                     PathMode::Prefill => true,
                     PathMode::Chunked | PathMode::Decode => c.weights != "f16",
                     PathMode::Serve => false,
+                    PathMode::Batched => c.weights != "f16",
                 }));
         // The real model runs on the emulator teacher-forced only.
         assert!(cases
@@ -793,10 +805,11 @@ mod tests {
             .map(|c| c.name())
             .collect();
         // llama 3 weights + gemma3 2 weights, on scalar and avx2, llama's serve case, the
-        // chunked and decode cases of both fixtures, and their chunked cases on scalar too (the
-        // real model is not fetched).
-        assert_eq!(runnable.len(), 17);
+        // chunked, decode and batched cases of both fixtures, and their chunked cases on scalar
+        // too (the real model is not fetched).
+        assert_eq!(runnable.len(), 19);
         assert!(runnable.iter().all(|n| (n.contains("/tp1-shm/off")
+            || n.ends_with("/cpu-avx2/tp1-shm/batched")
             || n == "llama/q4_0/cpu-avx2/tp1-shm/serve"
             || n.ends_with("/tp1-shm/chunked")
             || n.ends_with("/cpu-avx2/tp1-shm/decode"))

@@ -151,6 +151,13 @@ const FAULTS: &[Expectation] = &[
         case: "llama/*/*/tp1-shm/tree-b8k4",
         expect: "gate:spec.tree-mask",
     },
+    // Only a batch with two sequences at one position shows it: the batched case's first
+    // forward starts three sequences together; every single-sequence case passes.
+    Expectation {
+        fault: Fault::BatchSeesOtherSequence,
+        case: "llama/*/*/tp1-shm/batched",
+        expect: "gate:batch.taps",
+    },
     // Only a verify batch past 64 tokens has ancestors in the second word: the case's own tree
     // (9 tokens) passes, the hand-built fan and chain of the tree-shapes gate do not.
     Expectation {

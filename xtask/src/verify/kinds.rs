@@ -6,6 +6,7 @@
 //! | paths | spec `chunked`, `decode` | `path_case` |
 //! | speculation | spec `tree-b…k…` | `spec_case` |
 //! | serving | spec `serve` | `serve_case` |
+//! | batched | path `batched` | `batch_case` |
 //!
 //! Each kind opens what it needs through `engine::exec::open` and judges the case with the
 //! same tolerance policy; what they share lives in `common`, `gates` and `reference_runs`.
@@ -46,6 +47,7 @@ impl Default for Kinds {
         Kinds {
             kinds: vec![
                 Box::new(Serving),
+                Box::new(Batching),
                 Box::new(Speculation),
                 Box::new(Paths::default()),
                 Box::new(TeacherForced),
@@ -157,10 +159,20 @@ impl CaseKind for Speculation {
                 env.bench,
             )
         })?;
-        let result = CaseResult::judged(&case.name(), None, r.gates, r.figures)
-            .with_duration(started.elapsed().as_secs_f64());
-        Ok((result, None))
+        Ok(judged(case, started, r.gates, r.figures))
     }
+}
+
+/// A case judged by its gates alone (no tap comparison of its own), timed from `started`.
+fn judged(
+    case: &Case,
+    started: Instant,
+    gates: Vec<harness::gate::GateResult>,
+    figures: Vec<harness::report::Figure>,
+) -> Outcome {
+    let result = CaseResult::judged(&case.name(), None, gates, figures)
+        .with_duration(started.elapsed().as_secs_f64());
+    (result, None)
 }
 
 struct Serving;
@@ -177,6 +189,33 @@ impl CaseKind for Serving {
         refs: &mut ReferenceCache,
     ) -> Result<Outcome> {
         Ok((super::serve_case::run(case, env, refs)?, None))
+    }
+}
+
+struct Batching;
+
+impl CaseKind for Batching {
+    fn runs(&self, case: &Case) -> bool {
+        case.path == PathMode::Batched
+    }
+
+    fn run(
+        &mut self,
+        case: &Case,
+        env: &CaseEnv<'_>,
+        refs: &mut ReferenceCache,
+    ) -> Result<Outcome> {
+        let started = Instant::now();
+        let ctx = case.context()?;
+        let reference = refs.get(
+            super::reference_runs::RefSource::File(env.path),
+            env.budget,
+            env.real,
+        )?;
+        let r = on_whole_engine(case, env, |engine, _| {
+            super::batch_case::run(engine, reference, &ctx)
+        })?;
+        Ok(judged(case, started, r.gates, r.figures))
     }
 }
 
@@ -203,10 +242,11 @@ mod tests {
             assert_eq!(kind_of(name), Some(kind), "{name}");
         };
         check("llama/q8_0/cpu-avx2/tp1-shm/serve", 0);
-        check("llama/q8_0/cpu-avx2/tp1-shm/tree-b8k4", 1);
-        check("llama/q8_0/cpu-avx2/tp1-shm/chunked", 2);
-        check("llama/q8_0/cpu-avx2/tp1-shm/decode", 2);
-        check("llama/q8_0/cpu-avx2/tp1-shm/off", 3);
-        check("llama/q8_0/cpu-avx2/tp2-shm/off", 3);
+        check("llama/q8_0/cpu-avx2/tp1-shm/batched", 1);
+        check("llama/q8_0/cpu-avx2/tp1-shm/tree-b8k4", 2);
+        check("llama/q8_0/cpu-avx2/tp1-shm/chunked", 3);
+        check("llama/q8_0/cpu-avx2/tp1-shm/decode", 3);
+        check("llama/q8_0/cpu-avx2/tp1-shm/off", 4);
+        check("llama/q8_0/cpu-avx2/tp2-shm/off", 4);
     }
 }

@@ -6,6 +6,7 @@
 //! `cargo xtask verify --model FILE` runs the same case runner on one file instead of the matrix,
 //! with the reference streaming layer by layer and its peak memory measured ([`model_file`]).
 
+mod batch_case;
 mod common;
 mod counters;
 mod faults;
