@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-log() { printf '\n==> %s\n' "$*"; }
+log() { printf '\n==> %s (%s)\n' "$*" "$(date -u +%H:%M:%S)"; }
 
 log "toolchain"
 command -v cargo >/dev/null || { echo "cargo is required (rustup)"; exit 1; }
