@@ -378,6 +378,18 @@ impl KvStore {
     fn write(&mut self, at: usize, src: &[f32]) {
         match self {
             KvStore::F32(v) => v[at..at + src.len()].copy_from_slice(src),
+            KvStore::F16(v) if faults::is_active(Fault::KvF16Truncates) => {
+                // A conversion that truncates (rounds toward zero) instead of rounding to
+                // nearest: the nearest f16, stepped one unit toward zero where it lies beyond x.
+                for (d, &s) in v[at..at + src.len()].iter_mut().zip(src) {
+                    let h = f16::from_f32(s);
+                    *d = if h.is_nan() || h.to_f32().abs() <= s.abs() {
+                        h
+                    } else {
+                        f16::from_bits(h.to_bits() - 1)
+                    };
+                }
+            }
             KvStore::F16(v) => {
                 for (d, &s) in v[at..at + src.len()].iter_mut().zip(src) {
                     *d = f16::from_f32(s);
@@ -1058,6 +1070,24 @@ impl Backend for CpuBackend {
         }
         check_len("kv_read_k output", n_cells * kv.k_width, out.len())?;
         kv.k.read(n_cells * kv.k_width, out);
+        Ok(())
+    }
+
+    fn kv_read_v(
+        &self,
+        kv: &CpuKv,
+        n_cells: usize,
+        out: &mut Vec<f32>,
+    ) -> Result<(), RuntimeError> {
+        if n_cells > kv.n_cells {
+            return Err(shape(
+                "kv_read_v cells (<= reserved cells)",
+                kv.n_cells,
+                n_cells,
+            ));
+        }
+        check_len("kv_read_v output", n_cells * kv.v_width, out.len())?;
+        kv.v.read(n_cells * kv.v_width, out);
         Ok(())
     }
 

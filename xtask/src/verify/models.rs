@@ -5,13 +5,23 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
-use harness::cases::{split_fixture_name, ModelEntry};
+use harness::cases::{split_fixture_name, ModelEntry, PathMode};
 
 use crate::fetch_model;
 
 /// The real model of the matrix and its weight type as named in case names.
 pub const REAL_MODEL: &str = "gemma3-270m";
 pub const REAL_WEIGHTS: &str = "q4_k_m";
+
+/// The fixtures whose chunked and decode paths also run with an f16 KV cache, one per layout
+/// of what the cache holds: `gemma3` (K and V rows, sliding-window and global layers),
+/// `deepseek2` (MLA's latent row), `glm-dsa` (the latent row and the lightning indexer's key
+/// row). `llama`'s rows are laid out as `gemma3`'s; leaving it out keeps CI time down.
+pub const KV_F16_FIXTURES: [&str; 3] = ["gemma3", "deepseek2", "glm-dsa"];
+
+/// The real model's paths with an f16 KV cache: the long chunked case (665 tokens across its
+/// 512-token window).
+pub const REAL_KV_F16_PATHS: [PathMode; 1] = [PathMode::Chunked];
 
 /// Where each `(model, weights)` of the matrix comes from.
 pub struct Models {
@@ -44,8 +54,14 @@ pub fn discover(dir: &Path, fetch_real: bool) -> Result<Models> {
             let weights: Vec<&str> = weights.iter().map(String::as_str).collect();
             let entry = ModelEntry::fixture(model, &weights, true);
             // One fixture carries the CUDA / TP / speculation axes beside the real model.
-            if model == "llama" {
+            let entry = if model == "llama" {
                 entry.extended()
+            } else {
+                entry
+            };
+            // The f16 KV cache on one fixture of each cache layout (KV_F16_FIXTURES).
+            if KV_F16_FIXTURES.contains(&model.as_str()) {
+                entry.kv_f16(&[PathMode::Chunked, PathMode::Decode])
             } else {
                 entry
             }
@@ -68,11 +84,9 @@ pub fn discover(dir: &Path, fetch_real: bool) -> Result<Models> {
             }
         }
     };
-    entries.push(ModelEntry::real(
-        REAL_MODEL,
-        &[REAL_WEIGHTS],
-        real.is_some(),
-    ));
+    entries.push(
+        ModelEntry::real(REAL_MODEL, &[REAL_WEIGHTS], real.is_some()).kv_f16(&REAL_KV_F16_PATHS),
+    );
     if let Some(path) = real {
         paths.insert((REAL_MODEL.to_owned(), REAL_WEIGHTS.to_owned()), path);
     }

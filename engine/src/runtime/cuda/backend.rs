@@ -1992,6 +1992,38 @@ impl Backend for CudaBackend {
         }
     }
 
+    fn kv_read_v(
+        &self,
+        kv: &CudaKv,
+        n_cells: usize,
+        out: &mut Dev<f32>,
+    ) -> Result<(), RuntimeError> {
+        check_len("kv_read_v output", n_cells * kv.v_width, out.len())?;
+        if n_cells > kv.n_cells {
+            return Err(shape("kv_read_v cells (<= reserved)", kv.n_cells, n_cells));
+        }
+        let n = n_cells * kv.v_width;
+        if n == 0 {
+            return Ok(());
+        }
+        match &kv.v {
+            KvStore::F32(s) => self
+                .stream
+                .memcpy_dtod(&s.slice(..n), &mut out.mem.slice_mut(..n))
+                .map_err(drv),
+            // Kernel f16_to_f32_rows(const u16* src, float* dst, u64 n).
+            KvStore::F16(s) => self.launch(
+                "f16_to_f32_rows",
+                Self::grid(n),
+                &[
+                    Arg::Ptr(self.ptr(s)),
+                    Arg::Ptr(self.ptr(out)),
+                    Arg::U64(n as u64),
+                ],
+            ),
+        }
+    }
+
     fn attention(
         &self,
         q: &Dev<f32>,
