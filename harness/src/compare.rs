@@ -60,8 +60,8 @@ pub struct TapMetrics {
     /// Number of compared elements.
     pub len: usize,
     /// The mean signed error in f16 units, positive away from zero:
-    /// Σ sign(b)·(a − b)/spacing(b) / count over finite pairs, `spacing(b)` one f16 unit at
-    /// b's magnitude. Measured on the taps of an f16 KV cache only
+    /// Σ clamp(sign(b)·(a − b)/spacing(b), ±1) / count over finite pairs, `spacing(b)` one f16
+    /// unit at b's magnitude (a term past one unit is no rounding's: it counts as one). Measured on the taps of an f16 KV cache only
     /// ([`crate::tolerance::CACHE_ROUNDING_BIAS_MAX`]); `None` elsewhere.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rounding_bias: Option<f64>,
@@ -147,8 +147,11 @@ impl MetricsAccumulator {
             self.eng2 += a64 * a64;
             self.dot += a64 * b64;
             if let Some((sum, count)) = self.bias.as_mut() {
+                // A rounding moves a value by at most one unit: a larger difference (a value
+                // near zero, whose unit is tiny, or a difference before the rounding) counts as
+                // one unit, so that a few values cannot outweigh the rounding of all the others.
                 if b != 0.0 {
-                    *sum += b64.signum() * d / f16_unit(b);
+                    *sum += (b64.signum() * d / f16_unit(b)).clamp(-1.0, 1.0);
                 }
                 *count += 1;
             }
