@@ -682,6 +682,8 @@ struct Accumulated {
     tolerance: Tolerance,
     total: MetricsAccumulator,
     block: MetricsAccumulator,
+    /// The judged block's rounding bias farthest from zero so far (cache taps only).
+    worst_block_bias: Option<f64>,
 }
 
 impl ChunkedComparison {
@@ -734,6 +736,7 @@ impl ChunkedComparison {
                     tolerance: t.tolerance,
                     total: MetricsAccumulator::for_kind(t.kind),
                     block: MetricsAccumulator::for_kind(t.kind),
+                    worst_block_bias: None,
                 });
                 self.taps.len() - 1
             });
@@ -759,6 +762,11 @@ impl ChunkedComparison {
             if m.len == 0 {
                 continue;
             }
+            if let Some(b) = m.rounding_bias {
+                if a.worst_block_bias.is_none_or(|w| b.abs() > w.abs()) {
+                    a.worst_block_bias = Some(b);
+                }
+            }
             let violations = check_tolerance(&m, &a.tolerance);
             if !violations.is_empty() {
                 findings.push(Finding::PastTolerance {
@@ -770,6 +778,18 @@ impl ChunkedComparison {
         if self.first.is_none() && !findings.is_empty() {
             self.first = Some((rows, findings));
         }
+    }
+
+    /// The rounding bias farthest from zero of any judged block of any cache tap (`None`
+    /// without cache taps).
+    pub fn worst_block_rounding_bias(&self) -> Option<f64> {
+        self.taps
+            .iter()
+            .filter_map(|a| a.worst_block_bias)
+            .fold(None, |w: Option<f64>, b| match w {
+                Some(w) if w.abs() >= b.abs() => Some(w),
+                _ => Some(b),
+            })
     }
 
     /// The rows of the first chunk or block that had a finding.
@@ -896,6 +916,40 @@ mod tests {
         ));
         let m = tap_metrics_of(TapKind::KvCache, &nearest, &nearest, 8);
         assert!(check_tolerance(&m, &tol).is_empty());
+    }
+
+    #[test]
+    fn chunked_comparison_judges_the_bias_per_block() {
+        use crate::tolerance::Numerics;
+        let exact = ctx().with_numerics(Numerics::ExactIsolated);
+        let policy = TolerancePolicy::default();
+        let unit = 2f32.powi(-10);
+        let row = |down: bool| {
+            let r: Vec<f32> = (0..8).map(|i| 1.0 + (2 * i) as f32 * unit).collect();
+            let e: Vec<f32> = r.iter().map(|&x| if down { x - unit } else { x }).collect();
+            (
+                vec![Tap::new("blk.0.kv_cache", vec![1, 8], e)],
+                vec![Tap::new("blk.0.kv_cache", vec![1, 8], r)],
+            )
+        };
+        let mut c = ChunkedComparison::new();
+        let (e, r) = row(false);
+        c.push(0..1, &e, &r, &policy, &exact);
+        c.close_block();
+        assert_eq!(c.worst_block_rounding_bias(), Some(0.0));
+        // A block one unit low everywhere: bias −1, past ±⅛ (f32 weights: the NMSE bound, ~4e-9,
+        // fails too), and the first block with a finding.
+        let (e, r) = row(true);
+        c.push(1..2, &e, &r, &policy, &exact);
+        c.close_block();
+        assert_eq!(c.worst_block_rounding_bias(), Some(-1.0));
+        assert_eq!(c.divergent_rows(), Some(1..2));
+        let done = c.finish();
+        assert!(done.findings.iter().any(|f| matches!(
+            f,
+            Finding::PastTolerance { violations, .. }
+                if violations.iter().any(|v| matches!(v, Violation::RoundingBias { .. }))
+        )));
     }
 
     fn f16u(x: f32) -> f32 {

@@ -167,6 +167,11 @@ pub enum KvCache {
 impl KvCache {
     /// The case-name suffix of a non-default cache.
     pub const F16_SUFFIX: &'static str = "-kvf16";
+
+    /// The default (serde skips writing it).
+    pub fn is_f32(&self) -> bool {
+        *self == KvCache::F32
+    }
 }
 
 impl fmt::Display for KvCache {

@@ -43,8 +43,9 @@ pub struct Case {
     #[serde(default)]
     pub path: PathMode,
     pub spec: Spec,
-    /// The engine's KV cache (f32 unless the name ends in `-kvf16`; absent from older reports).
-    #[serde(default)]
+    /// The engine's KV cache (f32 unless the name ends in `-kvf16`). Written only when f16, so
+    /// an f32 case serializes as before the axis existed; absent, it reads as f32.
+    #[serde(default, skip_serializing_if = "KvCache::is_f32")]
     pub kv: KvCache,
 }
 
@@ -684,6 +685,12 @@ mod tests {
         )
         .unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(old.path, PathMode::Prefill);
+        // An f16 cache is written, and read back.
+        let f16 = case("gemma3/q4_k_m/cpu-avx2/tp1-shm/chunked-kvf16");
+        let json = serde_json::to_string(&f16).unwrap_or_default();
+        assert!(json.ends_with(r#","kv":"f16"}"#), "{json}");
+        let back: Case = serde_json::from_str(&json).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(back, f16);
         assert!("llama/q8_0/cpu-avx2/tp1-shm/prefill"
             .parse::<Case>()
             .is_err());

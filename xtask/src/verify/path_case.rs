@@ -816,6 +816,7 @@ pub fn run(
     // NMSE 2.9e-5) measured blk.5.ffn_out NMSE 0.019 (chunked) and 0.030 (decode) in a 64-row
     // block against that bound's 0.015. End to end, the logit gates judge it (KL, top-1, ppl).
     let iso_rows = c.isolated.divergent_rows();
+    let worst_block_bias = c.isolated.worst_block_rounding_bias();
     let isolated: Comparison = c.isolated.finish();
     let full: Comparison = c.full.finish();
     let mode = iso_rows.map_or(String::new(), |rows| {
@@ -847,7 +848,7 @@ pub fn run(
         ));
     }
     // An f16 cache: its rows' largest NMSE and rounding bias (f16 units; bound ±⅛), over every
-    // row (the judged blocks' figures are in the report's comparisons).
+    // row, and the bias farthest from zero of any judged block.
     let cache_taps = || isolated.taps.iter().filter(|t| t.kind.is_cache());
     if case.kv == KvCache::F16 {
         let bias = cache_taps()
@@ -856,6 +857,11 @@ pub fn run(
         let nmse = cache_taps().map(|t| t.metrics.nmse).fold(0.0, f64::max);
         figures.push(Figure::new("kv_cache_max_nmse", nmse, ""));
         figures.push(Figure::new("kv_cache_bias_units", bias, ""));
+        figures.push(Figure::new(
+            "kv_cache_block_bias_units",
+            worst_block_bias.unwrap_or(0.0),
+            "",
+        ));
     }
     let n_layers = engine.n_layers();
     Ok(CaseResult::judged(&name, Some(&isolated), gates, figures)
