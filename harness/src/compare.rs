@@ -78,7 +78,12 @@ pub fn tap_metrics(engine: &[f32], reference: &[f32], width: usize) -> TapMetric
 }
 
 /// [`tap_metrics`] for a tap of `kind`: with the rounding bias for the cache kinds.
-pub fn tap_metrics_of(kind: TapKind, engine: &[f32], reference: &[f32], width: usize) -> TapMetrics {
+pub fn tap_metrics_of(
+    kind: TapKind,
+    engine: &[f32],
+    reference: &[f32],
+    width: usize,
+) -> TapMetrics {
     let mut acc = MetricsAccumulator::for_kind(kind);
     acc.push(engine, reference, width);
     acc.finish()
@@ -282,7 +287,8 @@ pub fn check_tolerance(m: &TapMetrics, tol: &Tolerance) -> Vec<Violation> {
     }
     if let (Some(max), Some(value)) = (tol.rounding_bias_max, m.rounding_bias) {
         // Written so that a NaN bias fails.
-        if !(value.abs() <= max) {
+        let ok = value.abs() <= max;
+        if !ok {
             v.push(Violation::RoundingBias { value, max });
         }
     }
@@ -783,13 +789,13 @@ impl ChunkedComparison {
     /// The rounding bias farthest from zero of any judged block of any cache tap (`None`
     /// without cache taps).
     pub fn worst_block_rounding_bias(&self) -> Option<f64> {
-        self.taps
-            .iter()
-            .filter_map(|a| a.worst_block_bias)
-            .fold(None, |w: Option<f64>, b| match w {
+        self.taps.iter().filter_map(|a| a.worst_block_bias).fold(
+            None,
+            |w: Option<f64>, b| match w {
                 Some(w) if w.abs() >= b.abs() => Some(w),
                 _ => Some(b),
-            })
+            },
+        )
     }
 
     /// The rows of the first chunk or block that had a finding.
@@ -901,7 +907,11 @@ mod tests {
                 .unwrap_or(f64::NAN)
         };
         assert_eq!(bias(&nearest), 0.0);
-        assert!((bias(&truncated) + 1.0).abs() < 1e-9, "{}", bias(&truncated));
+        assert!(
+            (bias(&truncated) + 1.0).abs() < 1e-9,
+            "{}",
+            bias(&truncated)
+        );
         // Not measured on other kinds.
         assert_eq!(tap_metrics(&truncated, &nearest, 8).rounding_bias, None);
         let tol = Tolerance {

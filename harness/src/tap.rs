@@ -185,7 +185,10 @@ mod tests {
         check("blk.3.router", Some((TapKind::Router, Some(3))));
         check("blk.12.out", Some((TapKind::Out, Some(12))));
         check("blk.0.kv_cache", Some((TapKind::KvCache, Some(0))));
-        check("blk.2.indexer_k_cache", Some((TapKind::IndexerKCache, Some(2))));
+        check(
+            "blk.2.indexer_k_cache",
+            Some((TapKind::IndexerKCache, Some(2))),
+        );
     }
 
     #[test]

@@ -627,10 +627,7 @@ mod tests {
         assert_eq!(k.rounding_bias_max, None);
         // One more rounding stage than k, by f16's flips: a little looser, never tighter.
         assert!(kv.nmse_max > k.nmse_max && kv.nmse_max < 1.01 * k.nmse_max);
-        assert_eq!(
-            p.tolerance(TapKind::IndexerKCache, Some(2), 18, &exact),
-            kv
-        );
+        assert_eq!(p.tolerance(TapKind::IndexerKCache, Some(2), 18, &exact), kv);
         assert_eq!(
             p.tolerance(TapKind::KvCache, Some(0), 18, &full)
                 .rounding_bias_max,

@@ -209,18 +209,6 @@ pub fn round_to_f16(x: f32) -> f32 {
     r.copysign(x)
 }
 
-/// The spacing of f16 values at the magnitude of `x` (`2^(e−10)`, at least the subnormal
-/// spacing 2⁻²⁴): one unit in the last place of `x` rounded to f16.
-pub fn f16_spacing(x: f32) -> f32 {
-    let a = x.abs();
-    let e = if a.is_normal() {
-        ((a.to_bits() >> 23) & 0xff) as i32 - 127
-    } else {
-        -149
-    };
-    2f32.powi(e.clamp(-14, 15) - 10)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -283,7 +271,14 @@ mod tests {
     #[test]
     fn f16_rounding_ties_to_even_and_keeps_exact_values() {
         // Every f16 value is its own rounding: 1, the largest, the smallest normal and subnormal.
-        for v in [1.0f32, -2.5, 65504.0, 2f32.powi(-14), 2f32.powi(-24), 0.099_975_586] {
+        for v in [
+            1.0f32,
+            -2.5,
+            65504.0,
+            2f32.powi(-14),
+            2f32.powi(-24),
+            0.099_975_586,
+        ] {
             assert_eq!(round_to_f16(v), v, "{v}");
         }
         // Between 1 and 1 + 2⁻¹⁰ the midpoint 1 + 2⁻¹¹ ties to even (1); just above it rounds up.
@@ -319,9 +314,6 @@ mod tests {
         assert_eq!(round_to_f16(-1e6), f32::NEG_INFINITY);
         assert_eq!(round_to_f16(f32::INFINITY), f32::INFINITY);
         assert!(round_to_f16(f32::NAN).is_nan());
-        assert_eq!(f16_spacing(1.5), 2f32.powi(-10));
-        assert_eq!(f16_spacing(1e-7), tiny);
-        assert_eq!(f16_spacing(0.0), tiny);
     }
 
     #[test]
@@ -346,7 +338,11 @@ mod tests {
             let hi = f16::from_bits(h + 1).to_f32();
             let mid = (lo as f64 + hi as f64) / 2.0;
             let mid = mid as f32;
-            for x in [mid, f32::from_bits(mid.to_bits() - 1), f32::from_bits(mid.to_bits() + 1)] {
+            for x in [
+                mid,
+                f32::from_bits(mid.to_bits() - 1),
+                f32::from_bits(mid.to_bits() + 1),
+            ] {
                 check(x);
                 check(-x);
             }

@@ -700,8 +700,24 @@ fn std_attention<B: Backend>(
         be.gather_rows(&vs, nv, step.slots, &mut vr)?;
         let w = nk + nv;
         let mut rows = be.alloc(n * w)?;
-        be.copy_strided(&kr, Strided::new(nk, 0, 0), &mut rows, Strided::new(w, 0, 0), n, 1, nk)?;
-        be.copy_strided(&vr, Strided::new(nv, 0, 0), &mut rows, Strided::new(w, 0, nk), n, 1, nv)?;
+        be.copy_strided(
+            &kr,
+            Strided::new(nk, 0, 0),
+            &mut rows,
+            Strided::new(w, 0, 0),
+            n,
+            1,
+            nk,
+        )?;
+        be.copy_strided(
+            &vr,
+            Strided::new(nv, 0, 0),
+            &mut rows,
+            Strided::new(w, 0, nk),
+            n,
+            1,
+            nv,
+        )?;
         tap(be, taps, || blk(il, "kv_cache"), n, w, &rows)?;
     }
     let meta = attn_meta(c, cache, il, step, c.n_head_kv);

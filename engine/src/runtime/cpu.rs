@@ -416,6 +416,39 @@ impl KvStore {
     }
 }
 
+/// Which rows of a cache layer [`CpuKv::read_rows`] reads.
+#[derive(Clone, Copy)]
+enum KvSide {
+    K,
+    V,
+}
+
+impl CpuKv {
+    /// Cells `0..n_cells` of one side as f32 rows ([`Backend::kv_read_k`], `kv_read_v`).
+    fn read_rows(&self, side: KvSide, n_cells: usize, out: &mut [f32]) -> Result<(), RuntimeError> {
+        let (store, width, cells_op, out_op) = match side {
+            KvSide::K => (
+                &self.k,
+                self.k_width,
+                "kv_read_k cells (<= reserved cells)",
+                "kv_read_k output",
+            ),
+            KvSide::V => (
+                &self.v,
+                self.v_width,
+                "kv_read_v cells (<= reserved cells)",
+                "kv_read_v output",
+            ),
+        };
+        if n_cells > self.n_cells {
+            return Err(shape(cells_op, self.n_cells, n_cells));
+        }
+        check_len(out_op, n_cells * width, out.len())?;
+        store.read(n_cells * width, out);
+        Ok(())
+    }
+}
+
 /// `len` must be a whole, non-zero number of rows of `width`.
 fn check_rows(op: &'static str, width: usize, len: usize) -> Result<(), RuntimeError> {
     if width == 0 || !len.is_multiple_of(width) {
@@ -1061,16 +1094,7 @@ impl Backend for CpuBackend {
         n_cells: usize,
         out: &mut Vec<f32>,
     ) -> Result<(), RuntimeError> {
-        if n_cells > kv.n_cells {
-            return Err(shape(
-                "kv_read_k cells (<= reserved cells)",
-                kv.n_cells,
-                n_cells,
-            ));
-        }
-        check_len("kv_read_k output", n_cells * kv.k_width, out.len())?;
-        kv.k.read(n_cells * kv.k_width, out);
-        Ok(())
+        kv.read_rows(KvSide::K, n_cells, out)
     }
 
     fn kv_read_v(
@@ -1079,16 +1103,7 @@ impl Backend for CpuBackend {
         n_cells: usize,
         out: &mut Vec<f32>,
     ) -> Result<(), RuntimeError> {
-        if n_cells > kv.n_cells {
-            return Err(shape(
-                "kv_read_v cells (<= reserved cells)",
-                kv.n_cells,
-                n_cells,
-            ));
-        }
-        check_len("kv_read_v output", n_cells * kv.v_width, out.len())?;
-        kv.v.read(n_cells * kv.v_width, out);
-        Ok(())
+        kv.read_rows(KvSide::V, n_cells, out)
     }
 
     fn attention(

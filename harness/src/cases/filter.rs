@@ -199,7 +199,10 @@ mod tests {
         // A glob written before the axis existed selects what it selected then.
         assert_eq!(selected(&["*/chunked"], &[], &[], &names), names[..1]);
         assert_eq!(selected(&["*-kvf16"], &[], &[], &names), names[1..]);
-        assert_eq!(selected(&[], &["kv-dtype=f16", "path=decode"], &[], &names), names[2..]);
+        assert_eq!(
+            selected(&[], &["kv-dtype=f16", "path=decode"], &[], &names),
+            names[2..]
+        );
     }
 
     #[test]

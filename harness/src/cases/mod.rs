@@ -611,7 +611,10 @@ mod tests {
         }
         let c = case("gemma3/q4_k_m/cpu-avx2/tp1-shm/chunked-kvf16");
         assert_eq!(c.path, PathMode::Chunked);
-        assert_eq!(case("gemma3/q4_k_m/cpu-avx2/tp1-shm/chunked").kv, KvCache::F32);
+        assert_eq!(
+            case("gemma3/q4_k_m/cpu-avx2/tp1-shm/chunked").kv,
+            KvCache::F32
+        );
         for bad in [
             "gemma3/q4_k_m/cpu-avx2/tp1-shm/chunked-kvf8",
             "gemma3/q4_k_m/cpu-avx2/tp1-shm/-kvf16",

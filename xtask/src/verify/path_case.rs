@@ -236,8 +236,11 @@ impl PathReference {
         let exact_model = open(Precision::Exact)?
             .with_cache_dtype(cache_dtype(kv))
             .context("the exact reference's KV cache")?;
-        let (exact_taps, exact_scores) =
-            hidden_taps(&exact_model, &tokens, &format!("exact-numerics ({kv} cache)"))?;
+        let (exact_taps, exact_scores) = hidden_taps(
+            &exact_model,
+            &tokens,
+            &format!("exact-numerics ({kv} cache)"),
+        )?;
         let routing = super::routes::routing_of(&exact_model, &exact_taps)?;
         Ok(PathReference {
             key: (path.to_owned(), tokens.len()),
