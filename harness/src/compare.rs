@@ -254,7 +254,13 @@ impl std::fmt::Display for Violation {
             }
             Violation::RoundingBias { value, max } => write!(
                 f,
-                "f16 rounding bias {value:+.3} units (outward) past ±{}",
+                "f16 rounding bias {:.3} units {} past ±{}",
+                value.abs(),
+                if *value < 0.0 {
+                    "toward zero"
+                } else {
+                    "away from zero"
+                },
                 fmt_sig(*max)
             ),
         }
