@@ -1606,6 +1606,13 @@ mod tests {
                 3.000_1
             };
             assert_eq!(k[2], third);
+            // The values side reads back the same way (the kv_cache tap reads both).
+            let mut v = vec![0f32; 3];
+            b.kv_read_v(&kv, 3, &mut v)
+                .unwrap_or_else(|e| panic!("{e}"));
+            assert_eq!(v, k);
+            assert!(b.kv_read_v(&kv, 4, &mut vec![0f32; 4]).is_err());
+            assert!(b.kv_read_v(&kv, 3, &mut vec![0f32; 2]).is_err());
             assert!(b.kv_write(&mut kv, &[3], &vec![0.0], &vec![0.0]).is_err());
         }
     }
