@@ -59,6 +59,12 @@ pub struct TapMetrics {
     pub non_finite: NonFinite,
     /// Number of compared elements.
     pub len: usize,
+    /// The mean signed error in f16 units, positive away from zero:
+    /// Σ clamp(sign(b)·(a − b)/spacing(b), ±1) / count over finite pairs, `spacing(b)` one f16
+    /// unit at b's magnitude (a term past one unit is no rounding's: it counts as one). Measured on the taps of an f16 KV cache only
+    /// ([`crate::tolerance::CACHE_ROUNDING_BIAS_MAX`]); `None` elsewhere.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rounding_bias: Option<f64>,
 }
 
 /// Metrics of `engine` against `reference`, both `[n_tokens, width]` row-major with the given
@@ -69,6 +75,29 @@ pub fn tap_metrics(engine: &[f32], reference: &[f32], width: usize) -> TapMetric
     let mut acc = MetricsAccumulator::default();
     acc.push(engine, reference, width);
     acc.finish()
+}
+
+/// [`tap_metrics`] for a tap of `kind`: with the rounding bias for the cache kinds.
+pub fn tap_metrics_of(
+    kind: TapKind,
+    engine: &[f32],
+    reference: &[f32],
+    width: usize,
+) -> TapMetrics {
+    let mut acc = MetricsAccumulator::for_kind(kind);
+    acc.push(engine, reference, width);
+    acc.finish()
+}
+
+/// One f16 unit at the magnitude of `x` (at least the subnormal spacing 2⁻²⁴), in f64.
+fn f16_unit(x: f32) -> f64 {
+    let a = x.abs();
+    let e = if a.is_normal() {
+        ((a.to_bits() >> 23) & 0xff) as i32 - 127
+    } else {
+        -149
+    };
+    2f64.powi(e.clamp(-14, 15) - 10)
 }
 
 /// [`tap_metrics`] over a tap that arrives in consecutive chunks of rows (a long sequence
@@ -85,9 +114,19 @@ pub struct MetricsAccumulator {
     max_abs: Option<MaxAbsError>,
     nf: NonFinite,
     len: usize,
+    /// Σ sign(b)·(a − b)/unit(b) and its count, when measured ([`Self::for_kind`]).
+    bias: Option<(f64, usize)>,
 }
 
 impl MetricsAccumulator {
+    /// An accumulator for a tap of `kind` (the cache kinds also measure the rounding bias).
+    pub fn for_kind(kind: TapKind) -> MetricsAccumulator {
+        MetricsAccumulator {
+            bias: kind.is_cache().then_some((0.0, 0)),
+            ..MetricsAccumulator::default()
+        }
+    }
+
     /// The next rows of the tap (`width` values each; see [`tap_metrics`] for unequal lengths).
     pub fn push(&mut self, engine: &[f32], reference: &[f32], width: usize) {
         let base = self.len;
@@ -112,6 +151,15 @@ impl MetricsAccumulator {
             self.ref2 += b64 * b64;
             self.eng2 += a64 * a64;
             self.dot += a64 * b64;
+            if let Some((sum, count)) = self.bias.as_mut() {
+                // A rounding moves a value by at most one unit: a larger difference (a value
+                // near zero, whose unit is tiny, or a difference before the rounding) counts as
+                // one unit, so that a few values cannot outweigh the rounding of all the others.
+                if b != 0.0 {
+                    *sum += (b64.signum() * d / f16_unit(b)).clamp(-1.0, 1.0);
+                }
+                *count += 1;
+            }
             if self.max_abs.is_none_or(|m| d.abs() > m.abs_error) {
                 let w = width.max(1);
                 self.max_abs = Some(MaxAbsError {
@@ -148,6 +196,9 @@ impl MetricsAccumulator {
             cosine,
             non_finite: self.nf,
             len: self.len,
+            rounding_bias: self
+                .bias
+                .map(|(sum, count)| if count > 0 { sum / count as f64 } else { 0.0 }),
         }
     }
 }
@@ -172,6 +223,14 @@ pub enum Violation {
         #[serde(with = "crate::float")]
         min: f64,
     },
+    /// The mean signed error of an f16 cache's rows, in f16 units, past its bound (a rounding
+    /// that is not to nearest).
+    RoundingBias {
+        #[serde(with = "crate::float")]
+        value: f64,
+        #[serde(with = "crate::float")]
+        max: f64,
+    },
 }
 
 impl std::fmt::Display for Violation {
@@ -193,6 +252,17 @@ impl std::fmt::Display for Violation {
             Violation::Cosine { value, min } => {
                 write!(f, "cosine {} < {}", fmt_cosine(*value), fmt_cosine(*min))
             }
+            Violation::RoundingBias { value, max } => write!(
+                f,
+                "f16 rounding bias {:.3} units {} past ±{}",
+                value.abs(),
+                if *value < 0.0 {
+                    "toward zero"
+                } else {
+                    "away from zero"
+                },
+                fmt_sig(*max)
+            ),
         }
     }
 }
@@ -220,6 +290,13 @@ pub fn check_tolerance(m: &TapMetrics, tol: &Tolerance) -> Vec<Violation> {
             value: m.cosine,
             min: tol.cosine_min,
         });
+    }
+    if let (Some(max), Some(value)) = (tol.rounding_bias_max, m.rounding_bias) {
+        // Written so that a NaN bias fails.
+        let ok = value.abs() <= max;
+        if !ok {
+            v.push(Violation::RoundingBias { value, max });
+        }
     }
     v
 }
@@ -529,7 +606,7 @@ pub fn compare_taps_of(
             continue;
         }
         let width = r.shape.last().copied().unwrap_or(1);
-        let metrics = tap_metrics(&e.data, &r.data, width);
+        let metrics = tap_metrics_of(id.kind, &e.data, &r.data, width);
         let mut tolerance = policy.tolerance(id.kind, id.layer, n_layers, ctx);
         // Layer-isolated exact comparisons start every layer from the reference's input, and the
         // router sees the same input on both sides: no route-flip allowance there.
@@ -617,6 +694,8 @@ struct Accumulated {
     tolerance: Tolerance,
     total: MetricsAccumulator,
     block: MetricsAccumulator,
+    /// The judged block's rounding bias farthest from zero so far (cache taps only).
+    worst_block_bias: Option<f64>,
 }
 
 impl ChunkedComparison {
@@ -667,8 +746,9 @@ impl ChunkedComparison {
                     layer: t.layer,
                     width,
                     tolerance: t.tolerance,
-                    total: MetricsAccumulator::default(),
-                    block: MetricsAccumulator::default(),
+                    total: MetricsAccumulator::for_kind(t.kind),
+                    block: MetricsAccumulator::for_kind(t.kind),
+                    worst_block_bias: None,
                 });
                 self.taps.len() - 1
             });
@@ -690,9 +770,14 @@ impl ChunkedComparison {
         };
         let mut findings = Vec::new();
         for a in &mut self.taps {
-            let m = std::mem::take(&mut a.block).finish();
+            let m = std::mem::replace(&mut a.block, MetricsAccumulator::for_kind(a.kind)).finish();
             if m.len == 0 {
                 continue;
+            }
+            if let Some(b) = m.rounding_bias {
+                if a.worst_block_bias.is_none_or(|w| b.abs() > w.abs()) {
+                    a.worst_block_bias = Some(b);
+                }
             }
             let violations = check_tolerance(&m, &a.tolerance);
             if !violations.is_empty() {
@@ -705,6 +790,18 @@ impl ChunkedComparison {
         if self.first.is_none() && !findings.is_empty() {
             self.first = Some((rows, findings));
         }
+    }
+
+    /// The rounding bias farthest from zero of any judged block of any cache tap (`None`
+    /// without cache taps).
+    pub fn worst_block_rounding_bias(&self) -> Option<f64> {
+        self.taps.iter().filter_map(|a| a.worst_block_bias).fold(
+            None,
+            |w: Option<f64>, b| match w {
+                Some(w) if w.abs() >= b.abs() => Some(w),
+                _ => Some(b),
+            },
+        )
     }
 
     /// The rows of the first chunk or block that had a finding.
@@ -792,6 +889,90 @@ mod tests {
     }
 
     #[test]
+    fn rounding_bias_sees_truncation_and_not_nearest_rounding() {
+        // Values just past halfway between two f16 values (1 + 0.6 unit, scaled): nearest
+        // rounds them away from zero, truncation toward it, one unit apart.
+        let unit = 2f32.powi(-10);
+        let exact: Vec<f32> = (0..64)
+            .map(|i| {
+                let s = if i % 2 == 0 { 1.0 } else { -1.0 };
+                s * (1.0 + (i as f32 + 0.6) * unit) * 2f32.powi(i % 5 - 2)
+            })
+            .collect();
+        let nearest: Vec<f32> = exact
+            .iter()
+            .map(|&x| x.signum() * ((x.abs() / f16u(x)).round() * f16u(x)))
+            .collect();
+        let truncated: Vec<f32> = exact
+            .iter()
+            .map(|&x| x.signum() * ((x.abs() / f16u(x)).floor() * f16u(x)))
+            .collect();
+        let bias = |e: &[f32]| {
+            tap_metrics_of(TapKind::KvCache, e, &nearest, 8)
+                .rounding_bias
+                .unwrap_or(f64::NAN)
+        };
+        assert_eq!(bias(&nearest), 0.0);
+        assert!(
+            (bias(&truncated) + 1.0).abs() < 1e-9,
+            "{}",
+            bias(&truncated)
+        );
+        // Not measured on other kinds.
+        assert_eq!(tap_metrics(&truncated, &nearest, 8).rounding_bias, None);
+        let tol = Tolerance {
+            nmse_max: 1.0,
+            cosine_min: 0.0,
+            rounding_bias_max: Some(0.125),
+        };
+        let m = tap_metrics_of(TapKind::KvCache, &truncated, &nearest, 8);
+        assert!(matches!(
+            check_tolerance(&m, &tol).as_slice(),
+            [Violation::RoundingBias { .. }]
+        ));
+        let m = tap_metrics_of(TapKind::KvCache, &nearest, &nearest, 8);
+        assert!(check_tolerance(&m, &tol).is_empty());
+    }
+
+    #[test]
+    fn chunked_comparison_judges_the_bias_per_block() {
+        use crate::tolerance::Numerics;
+        let exact = ctx().with_numerics(Numerics::ExactIsolated);
+        let policy = TolerancePolicy::default();
+        let unit = 2f32.powi(-10);
+        let row = |down: bool| {
+            let r: Vec<f32> = (0..8).map(|i| 1.0 + (2 * i) as f32 * unit).collect();
+            let e: Vec<f32> = r.iter().map(|&x| if down { x - unit } else { x }).collect();
+            (
+                vec![Tap::new("blk.0.kv_cache", vec![1, 8], e)],
+                vec![Tap::new("blk.0.kv_cache", vec![1, 8], r)],
+            )
+        };
+        let mut c = ChunkedComparison::new();
+        let (e, r) = row(false);
+        c.push(0..1, &e, &r, &policy, &exact);
+        c.close_block();
+        assert_eq!(c.worst_block_rounding_bias(), Some(0.0));
+        // A block one unit low everywhere: bias −1, past ±⅛ (f32 weights: the NMSE bound, ~4e-9,
+        // fails too), and the first block with a finding.
+        let (e, r) = row(true);
+        c.push(1..2, &e, &r, &policy, &exact);
+        c.close_block();
+        assert_eq!(c.worst_block_rounding_bias(), Some(-1.0));
+        assert_eq!(c.divergent_rows(), Some(1..2));
+        let done = c.finish();
+        assert!(done.findings.iter().any(|f| matches!(
+            f,
+            Finding::PastTolerance { violations, .. }
+                if violations.iter().any(|v| matches!(v, Violation::RoundingBias { .. }))
+        )));
+    }
+
+    fn f16u(x: f32) -> f32 {
+        f16_unit(x) as f32
+    }
+
+    #[test]
     fn zero_reference_cases() {
         check_metrics(&[0.0, 0.0], &[0.0, 0.0], 0.0, 1.0);
         check_metrics(&[0.0, 1e-3], &[0.0, 0.0], f64::INFINITY, 0.0);
@@ -823,6 +1004,7 @@ mod tests {
         let tol = Tolerance {
             nmse_max: 1.0,
             cosine_min: 0.0,
+            rounding_bias_max: None,
         };
         assert!(matches!(
             check_tolerance(&m, &tol).as_slice(),
@@ -856,10 +1038,12 @@ mod tests {
             cosine: f64::NAN,
             non_finite: NonFinite::default(),
             len: 0,
+            rounding_bias: None,
         };
         let tol = Tolerance {
             nmse_max: 1.0,
             cosine_min: 0.0,
+            rounding_bias_max: None,
         };
         assert_eq!(check_tolerance(&m, &tol).len(), 2);
     }

@@ -19,11 +19,13 @@ pub enum HarnessError {
     UnknownSpec(String),
     #[error("unknown path `{0}` (expected prefill, chunked, decode or serve)")]
     UnknownPath(String),
+    #[error("unknown KV cache type `{0}` (expected f32 or f16)")]
+    UnknownKvCache(String),
     #[error(
-        "malformed case name `{name}`: {why} (expected arch/weights/backend/tpN-topology/spec, or …/path for a path other than prefill)"
+        "malformed case name `{name}`: {why} (expected arch/weights/backend/tpN-topology/spec, or …/path for a path other than prefill, ending in -kvf16 with an f16 KV cache)"
     )]
     CaseName { name: String, why: String },
-    #[error("malformed --only `{0}`: expected AXIS=VALUE with AXIS one of model, weights, backend, tp, topology, spec")]
+    #[error("malformed --only `{0}`: expected AXIS=VALUE with AXIS one of model, weights, backend, tp, topology, path, spec, kv")]
     OnlyFilter(String),
     #[error("{what}: expected {expected} values, found {found}")]
     Length {

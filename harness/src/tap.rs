@@ -31,6 +31,12 @@ pub enum TapKind {
     Q,
     K,
     V,
+    /// What an f16 KV cache hands back of the rows a forward wrote (docs/TAPS.md): each token's
+    /// `[K | V]` row, or MLA's latent row. Emitted only with an f16 cache.
+    KvCache,
+    /// `glm-dsa`: the lightning indexer's key rows as its f16 cache hands them back (only with
+    /// an f16 cache, on a full indexer layer).
+    IndexerKCache,
     /// `glm-dsa`: a full indexer layer's selection, as positions (docs/TAPS.md).
     IndexerTopK,
     Attn,
@@ -44,12 +50,14 @@ pub enum TapKind {
 }
 
 impl TapKind {
-    pub const ALL: [TapKind; 14] = [
+    pub const ALL: [TapKind; 16] = [
         TapKind::Embed,
         TapKind::AttnNorm,
         TapKind::Q,
         TapKind::K,
         TapKind::V,
+        TapKind::KvCache,
+        TapKind::IndexerKCache,
         TapKind::IndexerTopK,
         TapKind::Attn,
         TapKind::AttnOut,
@@ -69,6 +77,8 @@ impl TapKind {
             TapKind::Q => "q",
             TapKind::K => "k",
             TapKind::V => "v",
+            TapKind::KvCache => "kv_cache",
+            TapKind::IndexerKCache => "indexer_k_cache",
             TapKind::IndexerTopK => "indexer_top_k",
             TapKind::Attn => "attn",
             TapKind::AttnOut => "attn_out",
@@ -79,6 +89,13 @@ impl TapKind {
             TapKind::OutputNorm => "output_norm",
             TapKind::Logits => "logits",
         }
+    }
+
+    /// Whether taps of this kind show what an f16 KV cache holds: compared only against the
+    /// exact-numerics reference that rounds its cache the same way, and judged also by the
+    /// rounding-bias bound ([`crate::tolerance::CACHE_ROUNDING_BIAS_MAX`]).
+    pub fn is_cache(self) -> bool {
+        matches!(self, TapKind::KvCache | TapKind::IndexerKCache)
     }
 
     /// Whether taps of this kind carry a layer index (`blk.{i}.…`).
@@ -167,6 +184,11 @@ mod tests {
         check("blk.17.attn_out", Some((TapKind::AttnOut, Some(17))));
         check("blk.3.router", Some((TapKind::Router, Some(3))));
         check("blk.12.out", Some((TapKind::Out, Some(12))));
+        check("blk.0.kv_cache", Some((TapKind::KvCache, Some(0))));
+        check(
+            "blk.2.indexer_k_cache",
+            Some((TapKind::IndexerKCache, Some(2))),
+        );
     }
 
     #[test]

@@ -37,6 +37,7 @@ use std::sync::Arc;
 use candle_core::DType;
 
 pub use error::ReferenceError;
+pub use numerics::CacheDtype;
 pub use tokenizer::Tokenizer;
 
 use arch::{deepseek2::Deepseek2, gemma3::Gemma3, llama::Llama, Loader, Streamer};
@@ -366,6 +367,44 @@ impl ReferenceModel {
     /// The f32 size of the whole model and of its largest layer, from the tensor directory.
     pub fn footprint(&self) -> &Footprint {
         &self.footprint
+    }
+
+    /// [`Self::set_cache_dtype`], by value.
+    pub fn with_cache_dtype(mut self, cache: CacheDtype) -> Result<Self, ReferenceError> {
+        self.set_cache_dtype(cache)?;
+        Ok(self)
+    }
+
+    /// Round what attention reads from the KV cache as an engine whose cache holds `cache`
+    /// (see [`CacheDtype`] for which rows, by architecture). Only in [`Precision::Exact`]: the
+    /// exact-numerics reference reproduces what the engine computes, and an f16 cache is part of
+    /// that; the f32 and f64 references stay the unrounded forward pass the engine's end-to-end
+    /// error is measured against. With [`CacheDtype::F16`] the forward pass also emits the
+    /// rounded cache rows as taps (`blk.{i}.kv_cache`, `blk.{i}.indexer_k_cache`, docs/TAPS.md),
+    /// as the engine does with an f16 cache.
+    pub fn set_cache_dtype(&mut self, cache: CacheDtype) -> Result<(), ReferenceError> {
+        if cache != CacheDtype::F32 && self.precision != Precision::Exact {
+            return Err(ReferenceError::Unsupported(format!(
+                "a {cache:?} KV cache in {:?} precision: the reference rounds its cache only in \
+                 exact-numerics mode (Precision::Exact)",
+                self.precision
+            )));
+        }
+        match &mut self.arch {
+            Arch::Llama(m) => m.cache = cache,
+            Arch::Gemma3(m) => m.cache = cache,
+            Arch::Deepseek2(m) => m.cache = cache,
+        }
+        Ok(())
+    }
+
+    /// How the forward pass rounds what attention reads from its cache ([`CacheDtype`]).
+    pub fn cache_dtype(&self) -> CacheDtype {
+        match &self.arch {
+            Arch::Llama(m) => m.cache,
+            Arch::Gemma3(m) => m.cache,
+            Arch::Deepseek2(m) => m.cache,
+        }
     }
 
     /// Apply the output head `rows` rows per matrix product instead of the default (16 MiB of

@@ -11,7 +11,7 @@
 
 use crate::faults::{self, Fault};
 use crate::runtime::{
-    AttnMeta, Backend, Batch, KvCache, KvSource, Mask, QueryMeta, RuntimeError, Strided,
+    AttnMeta, Backend, Batch, KvCache, KvDtype, KvSource, Mask, QueryMeta, RuntimeError, Strided,
     SELECTED_NONE,
 };
 use crate::taps::{blk, Taps};
@@ -689,6 +689,37 @@ fn std_attention<B: Backend>(
     be.kv_write(kv, step.slots, &k, &v)?;
     let mut out = be.alloc(n * c.n_head * c.head_dim_v)?;
     let kv = cache.layer(il).ok_or(missing("KV cache layer"))?;
+    if taps.enabled() && cache.dtype() == KvDtype::F16 {
+        // What the cache hands back of this step's rows: [K row | V row] per token.
+        let n_cells = cache.cells().len();
+        let (mut ks, mut vs) = (be.alloc(n_cells * nk)?, be.alloc(n_cells * nv)?);
+        be.kv_read_k(kv, n_cells, &mut ks)?;
+        be.kv_read_v(kv, n_cells, &mut vs)?;
+        let (mut kr, mut vr) = (be.alloc(n * nk)?, be.alloc(n * nv)?);
+        be.gather_rows(&ks, nk, step.slots, &mut kr)?;
+        be.gather_rows(&vs, nv, step.slots, &mut vr)?;
+        let w = nk + nv;
+        let mut rows = be.alloc(n * w)?;
+        be.copy_strided(
+            &kr,
+            Strided::new(nk, 0, 0),
+            &mut rows,
+            Strided::new(w, 0, 0),
+            n,
+            1,
+            nk,
+        )?;
+        be.copy_strided(
+            &vr,
+            Strided::new(nv, 0, 0),
+            &mut rows,
+            Strided::new(w, 0, nk),
+            n,
+            1,
+            nv,
+        )?;
+        tap(be, taps, || blk(il, "kv_cache"), n, w, &rows)?;
+    }
     let meta = attn_meta(c, cache, il, step, c.n_head_kv);
     be.attention(&q, KvSource::Cache(kv), &meta, &mut out)?;
     Ok(out)
@@ -748,6 +779,12 @@ fn indexer_select<B: Backend>(
         .ok_or(missing("indexer key cache layer"))?;
     let mut keys = be.alloc(n_cells * hd)?;
     be.kv_read_k(ikv, n_cells, &mut keys)?;
+    if taps.enabled() && cache.dtype() == KvDtype::F16 {
+        // What the indexer's cache hands back of this step's keys.
+        let mut rows = be.alloc(n * hd)?;
+        be.gather_rows(&keys, hd, step.slots, &mut rows)?;
+        tap(be, taps, || blk(il, "indexer_k_cache"), n, hd, &rows)?;
+    }
     let mut scores = be.alloc(n * n_cells)?;
     be.indexer_scores(&iq, &keys, &wts, nh, hd, n_cells, &mut scores)?;
     if faults::is_active(Fault::IndexerTopKWrongAxis) && n == n_cells {
@@ -897,6 +934,12 @@ fn mla_attention<B: Backend>(
     let n_cells = cache.cells().len();
     let mut lat_all = be.alloc(n_cells * lat_w)?;
     be.kv_read_k(kv, n_cells, &mut lat_all)?;
+    if taps.enabled() && cache.dtype() == KvDtype::F16 {
+        // What the cache hands back of this step's latent rows.
+        let mut rows = be.alloc(n * lat_w)?;
+        be.gather_rows(&lat_all, lat_w, step.slots, &mut rows)?;
+        tap(be, taps, || blk(il, "kv_cache"), n, lat_w, &rows)?;
+    }
     let mut ckv_all = be.alloc(n_cells * rank)?;
     be.copy_strided(
         &lat_all,

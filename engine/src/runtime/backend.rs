@@ -445,6 +445,15 @@ pub trait Backend: Send + Sync {
         out: &mut Self::Buf,
     ) -> Result<(), RuntimeError>;
 
+    /// The values of cells `0..n_cells` as f32 rows (what attention reads back: with an f16
+    /// cache, the rounded values widened). For the `blk.{i}.kv_cache` tap.
+    fn kv_read_v(
+        &self,
+        kv: &Self::Kv,
+        n_cells: usize,
+        out: &mut Self::Buf,
+    ) -> Result<(), RuntimeError>;
+
     /// Softmax attention of each query over the cells its mask lets it see; see [`AttnMeta`].
     fn attention(
         &self,

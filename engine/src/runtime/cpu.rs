@@ -378,6 +378,18 @@ impl KvStore {
     fn write(&mut self, at: usize, src: &[f32]) {
         match self {
             KvStore::F32(v) => v[at..at + src.len()].copy_from_slice(src),
+            KvStore::F16(v) if faults::is_active(Fault::KvF16Truncates) => {
+                // A conversion that truncates (rounds toward zero) instead of rounding to
+                // nearest: the nearest f16, stepped one unit toward zero where it lies beyond x.
+                for (d, &s) in v[at..at + src.len()].iter_mut().zip(src) {
+                    let h = f16::from_f32(s);
+                    *d = if h.is_nan() || h.to_f32().abs() <= s.abs() {
+                        h
+                    } else {
+                        f16::from_bits(h.to_bits() - 1)
+                    };
+                }
+            }
             KvStore::F16(v) => {
                 for (d, &s) in v[at..at + src.len()].iter_mut().zip(src) {
                     *d = f16::from_f32(s);
@@ -401,6 +413,39 @@ impl KvStore {
 
     fn read(&self, n: usize, out: &mut [f32]) {
         self.read_at(0, &mut out[..n]);
+    }
+}
+
+/// Which rows of a cache layer [`CpuKv::read_rows`] reads.
+#[derive(Clone, Copy)]
+enum KvSide {
+    K,
+    V,
+}
+
+impl CpuKv {
+    /// Cells `0..n_cells` of one side as f32 rows ([`Backend::kv_read_k`], `kv_read_v`).
+    fn read_rows(&self, side: KvSide, n_cells: usize, out: &mut [f32]) -> Result<(), RuntimeError> {
+        let (store, width, cells_op, out_op) = match side {
+            KvSide::K => (
+                &self.k,
+                self.k_width,
+                "kv_read_k cells (<= reserved cells)",
+                "kv_read_k output",
+            ),
+            KvSide::V => (
+                &self.v,
+                self.v_width,
+                "kv_read_v cells (<= reserved cells)",
+                "kv_read_v output",
+            ),
+        };
+        if n_cells > self.n_cells {
+            return Err(shape(cells_op, self.n_cells, n_cells));
+        }
+        check_len(out_op, n_cells * width, out.len())?;
+        store.read(n_cells * width, out);
+        Ok(())
     }
 }
 
@@ -1060,16 +1105,16 @@ impl Backend for CpuBackend {
         n_cells: usize,
         out: &mut Vec<f32>,
     ) -> Result<(), RuntimeError> {
-        if n_cells > kv.n_cells {
-            return Err(shape(
-                "kv_read_k cells (<= reserved cells)",
-                kv.n_cells,
-                n_cells,
-            ));
-        }
-        check_len("kv_read_k output", n_cells * kv.k_width, out.len())?;
-        kv.k.read(n_cells * kv.k_width, out);
-        Ok(())
+        kv.read_rows(KvSide::K, n_cells, out)
+    }
+
+    fn kv_read_v(
+        &self,
+        kv: &CpuKv,
+        n_cells: usize,
+        out: &mut Vec<f32>,
+    ) -> Result<(), RuntimeError> {
+        kv.read_rows(KvSide::V, n_cells, out)
     }
 
     fn attention(
@@ -1572,6 +1617,13 @@ mod tests {
                 3.000_1
             };
             assert_eq!(k[2], third);
+            // The values side reads back the same way (the kv_cache tap reads both).
+            let mut v = vec![0f32; 3];
+            b.kv_read_v(&kv, 3, &mut v)
+                .unwrap_or_else(|e| panic!("{e}"));
+            assert_eq!(v, k);
+            assert!(b.kv_read_v(&kv, 4, &mut vec![0f32; 4]).is_err());
+            assert!(b.kv_read_v(&kv, 3, &mut vec![0f32; 2]).is_err());
             assert!(b.kv_write(&mut kv, &[3], &vec![0.0], &vec![0.0]).is_err());
         }
     }

@@ -1137,6 +1137,16 @@ pub(crate) fn kv_cache_moves_and_reads<B: Backend>(g: &B) {
             &down(g, &rg),
             &rc,
         );
+        // The values side, as the f16 cache's `kv_cache` tap reads it.
+        let mut vg = zeros(g, n_cells * vw);
+        ok(g.kv_read_v(&kg, n_cells, &mut vg), "kv_read_v");
+        let mut vc = vec![0f32; n_cells * vw];
+        ok(c.kv_read_v(&kc, n_cells, &mut vc), "cpu");
+        check_exact(
+            format_args!("kv_move + kv_read_v ({dtype:?})"),
+            &down(g, &vg),
+            &vc,
+        );
         // Out-of-range cells are shape errors on both, not faults.
         let bad = g.kv_write(
             &mut kg,

@@ -158,6 +158,47 @@ impl FromStr for PathMode {
     }
 }
 
+/// What the engine keeps its KV cache in (`--kv-dtype`). A case with an f16 cache compares
+/// against the exact-numerics reference rounding its cache the same way
+/// (`reference::CacheDtype`), and its name ends in `-kvf16` (`…/chunked-kvf16`); an f32 cache,
+/// the default, adds nothing to the name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub enum KvCache {
+    #[default]
+    F32,
+    F16,
+}
+
+impl KvCache {
+    /// The case-name suffix of a non-default cache.
+    pub const F16_SUFFIX: &'static str = "-kvf16";
+
+    /// The default (serde skips writing it).
+    pub fn is_f32(&self) -> bool {
+        *self == KvCache::F32
+    }
+}
+
+impl fmt::Display for KvCache {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            KvCache::F32 => "f32",
+            KvCache::F16 => "f16",
+        })
+    }
+}
+
+impl FromStr for KvCache {
+    type Err = HarnessError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "f32" => Ok(KvCache::F32),
+            "f16" => Ok(KvCache::F16),
+            _ => Err(HarnessError::UnknownKvCache(s.to_owned())),
+        }
+    }
+}
+
 impl Spec {
     /// The production tree setting (budget 8, top-k 4) the speculation cases run.
     pub const TREE_B8K4: Spec = Spec::Tree {
@@ -217,7 +258,7 @@ macro_rules! serde_as_string {
         }
     )*};
 }
-serde_as_string!(Backend, Topology, Spec, PathMode);
+serde_as_string!(Backend, Topology, Spec, PathMode, KvCache);
 
 #[cfg(test)]
 mod tests {
@@ -283,6 +324,17 @@ mod tests {
         ] {
             assert!(s.parse::<Spec>().is_err(), "{s}");
         }
+    }
+
+    #[test]
+    fn kv_caches_parse_and_print() {
+        for s in ["f32", "f16"] {
+            assert_eq!(round_trip::<KvCache>(s).as_deref(), Some(s));
+        }
+        for s in ["F16", "kvf16", "bf16", "q8_0", ""] {
+            assert!(s.parse::<KvCache>().is_err(), "{s}");
+        }
+        assert_eq!(KvCache::default(), KvCache::F32);
     }
 
     #[test]

@@ -23,6 +23,8 @@ pub enum Axis {
     Topology,
     Path,
     Spec,
+    /// The engine's KV cache, `f32` or `f16`.
+    Kv,
 }
 
 impl FromStr for Axis {
@@ -36,6 +38,7 @@ impl FromStr for Axis {
             "topology" => Axis::Topology,
             "spec" => Axis::Spec,
             "path" => Axis::Path,
+            "kv" | "kv-dtype" | "kv_dtype" => Axis::Kv,
             _ => return Err(()),
         })
     }
@@ -52,6 +55,7 @@ impl Axis {
             Axis::Topology => case.topology.to_string(),
             Axis::Spec => case.spec.to_string(),
             Axis::Path => case.path.to_string(),
+            Axis::Kv => case.kv.to_string(),
         }
     }
 }
@@ -178,6 +182,26 @@ mod tests {
         assert_eq!(
             selected(&[], &["arch=llama", "weights=q8_0"], &[], &NAMES),
             [NAMES[3]]
+        );
+    }
+
+    #[test]
+    fn kv_cache_axis_and_old_globs() {
+        let names = [
+            "gemma3/q4_k_m/cpu-avx2/tp1-shm/chunked",
+            "gemma3/q4_k_m/cpu-avx2/tp1-shm/chunked-kvf16",
+            "gemma3/q4_k_m/cpu-avx2/tp1-shm/decode-kvf16",
+        ];
+        assert_eq!(selected(&[], &["kv=f16"], &[], &names), names[1..]);
+        assert_eq!(selected(&[], &["kv=f32"], &[], &names), names[..1]);
+        // The path axis is the path, whatever the cache.
+        assert_eq!(selected(&[], &["path=chunked"], &[], &names), names[..2]);
+        // A glob written before the axis existed selects what it selected then.
+        assert_eq!(selected(&["*/chunked"], &[], &[], &names), names[..1]);
+        assert_eq!(selected(&["*-kvf16"], &[], &[], &names), names[1..]);
+        assert_eq!(
+            selected(&[], &["kv-dtype=f16", "path=decode"], &[], &names),
+            names[2..]
         );
     }
 

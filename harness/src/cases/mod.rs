@@ -20,7 +20,7 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
-pub use axes::{Backend, PathMode, Spec, Topology, CUDA_ARCHS};
+pub use axes::{Backend, KvCache, PathMode, Spec, Topology, CUDA_ARCHS};
 pub use filter::{Axis, Filter};
 pub use glob::glob_match;
 
@@ -43,6 +43,10 @@ pub struct Case {
     #[serde(default)]
     pub path: PathMode,
     pub spec: Spec,
+    /// The engine's KV cache (f32 unless the name ends in `-kvf16`). Written only when f16, so
+    /// an f32 case serializes as before the axis existed; absent, it reads as f32.
+    #[serde(default, skip_serializing_if = "KvCache::is_f32")]
+    pub kv: KvCache,
 }
 
 impl Case {
@@ -62,12 +66,19 @@ impl Case {
             topology,
             path: PathMode::Prefill,
             spec,
+            kv: KvCache::F32,
         }
     }
 
     /// This case on `path`.
     pub fn on_path(mut self, path: PathMode) -> Case {
         self.path = path;
+        self
+    }
+
+    /// This case with the engine's KV cache in `kv`.
+    pub fn with_kv(mut self, kv: KvCache) -> Case {
+        self.kv = kv;
         self
     }
 
@@ -173,6 +184,10 @@ impl fmt::Display for Case {
             (PathMode::Prefill, spec) => write!(f, "{spec}"),
             (path, Spec::Off) => write!(f, "{path}"),
             (path, spec) => write!(f, "{path}+{spec}"),
+        }?;
+        match self.kv {
+            KvCache::F32 => Ok(()),
+            KvCache::F16 => f.write_str(KvCache::F16_SUFFIX),
         }
     }
 }
@@ -203,6 +218,11 @@ impl FromStr for Case {
             .ok()
             .filter(|&t| t >= 1 && tp.bytes().all(|b| b.is_ascii_digit()))
             .ok_or_else(|| bad(&format!("expected a TP degree of at least 1, found `{tp}`")))?;
+        // An f16 KV cache ends the name in `-kvf16`, whatever comes before it.
+        let (last, kv) = match last.strip_suffix(KvCache::F16_SUFFIX) {
+            Some(rest) => (rest, KvCache::F16),
+            None => (last, KvCache::F32),
+        };
         // `spec` on the batched prefill, `path`, or `path+spec`.
         let (path, spec) = match last.split_once('+') {
             Some((path, spec)) => (path.parse()?, spec.parse()?),
@@ -222,6 +242,7 @@ impl FromStr for Case {
             topology: topology.parse()?,
             path,
             spec,
+            kv,
         })
     }
 }
@@ -247,6 +268,10 @@ pub struct ModelEntry {
     pub available: bool,
     /// Whether CUDA, TP and speculation cases are enumerated for it.
     pub extended: bool,
+    /// The paths (chunked, decode) also run with the engine's KV cache in f16, on the best CPU
+    /// backend and the first weight type ([`ModelEntry::kv_f16`]).
+    #[serde(default)]
+    pub kv_f16_paths: Vec<PathMode>,
 }
 
 /// Split a fixture file's name such as `deepseek2-lite-q8_0` into the matrix's model
@@ -267,6 +292,7 @@ impl ModelEntry {
             weights: weights.iter().map(|w| w.to_string()).collect(),
             available,
             extended: false,
+            kv_f16_paths: Vec::new(),
         }
     }
 
@@ -278,11 +304,18 @@ impl ModelEntry {
             weights: weights.iter().map(|w| w.to_string()).collect(),
             available,
             extended: true,
+            kv_f16_paths: Vec::new(),
         }
     }
 
     pub fn extended(mut self) -> ModelEntry {
         self.extended = true;
+        self
+    }
+
+    /// Also run `paths` with the engine's KV cache in f16.
+    pub fn kv_f16(mut self, paths: &[PathMode]) -> ModelEntry {
+        self.kv_f16_paths = paths.to_vec();
         self
     }
 
@@ -450,6 +483,15 @@ impl Matrix {
                         Case::new(&m.name, w0, cpu, 1, Topology::Shm, Spec::Off).on_path(path),
                     );
                 }
+                // The same paths with an f16 KV cache, where the model asks for them (a few
+                // models covering each cache layout: CI time).
+                for &path in &m.kv_f16_paths {
+                    cases.push(
+                        Case::new(&m.name, w0, cpu, 1, Topology::Shm, Spec::Off)
+                            .on_path(path)
+                            .with_kv(KvCache::F16),
+                    );
+                }
             }
         }
         // Several sequences in ragged batches (xtask verify/batch_case.rs), every fixture on the
@@ -580,6 +622,59 @@ mod tests {
     }
 
     #[test]
+    fn kv_f16_names_round_trip_and_old_names_read_as_f32() {
+        for n in [
+            "gemma3/q4_k_m/cpu-avx2/tp1-shm/chunked-kvf16",
+            "deepseek2/q4_k/cpu-avx512/tp1-shm/decode-kvf16",
+            "llama/q8_0/cpu-avx2/tp1-shm/off-kvf16",
+            "llama/q8_0/cpu-avx2/tp1-shm/decode+tree-b8k4-kvf16",
+        ] {
+            assert_eq!(case(n).name(), n);
+            assert_eq!(case(n).kv, KvCache::F16, "{n}");
+        }
+        let c = case("gemma3/q4_k_m/cpu-avx2/tp1-shm/chunked-kvf16");
+        assert_eq!(c.path, PathMode::Chunked);
+        assert_eq!(
+            case("gemma3/q4_k_m/cpu-avx2/tp1-shm/chunked").kv,
+            KvCache::F32
+        );
+        for bad in [
+            "gemma3/q4_k_m/cpu-avx2/tp1-shm/chunked-kvf8",
+            "gemma3/q4_k_m/cpu-avx2/tp1-shm/-kvf16",
+            "gemma3/q4_k_m/cpu-avx2/tp1-shm/chunked-kvf16-kvf16",
+        ] {
+            assert!(bad.parse::<Case>().is_err(), "{bad}");
+        }
+        // A report written before the axis existed has no `kv`: an f32 cache.
+        let old = r#"{"model":"llama","weights":"q8_0","backend":"cpu-avx2","tp":1,"topology":"shm","path":"chunked","spec":"off"}"#;
+        let c: Case = serde_json::from_str(old).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(c.kv, KvCache::F32);
+        assert_eq!(c.name(), "llama/q8_0/cpu-avx2/tp1-shm/chunked");
+    }
+
+    #[test]
+    fn kv_f16_paths_are_enumerated_on_the_best_cpu_only() {
+        let models = vec![
+            ModelEntry::fixture("gemma3", &["q4_k_m", "f32"], true)
+                .kv_f16(&[PathMode::Chunked, PathMode::Decode]),
+            ModelEntry::fixture("llama", &["q8_0"], true),
+        ];
+        let m = avx2_box();
+        let f16: Vec<String> = Matrix::enumerate(&models, &m)
+            .into_iter()
+            .filter(|c| c.kv == KvCache::F16)
+            .map(|c| c.name())
+            .collect();
+        assert_eq!(
+            f16,
+            [
+                "gemma3/q4_k_m/cpu-avx2/tp1-shm/chunked-kvf16",
+                "gemma3/q4_k_m/cpu-avx2/tp1-shm/decode-kvf16"
+            ]
+        );
+    }
+
+    #[test]
     fn malformed_names_are_errors() {
         for n in [
             "llama/q4_0/cpu-scalar/tp1-shm",
@@ -616,6 +711,12 @@ mod tests {
         )
         .unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(old.path, PathMode::Prefill);
+        // An f16 cache is written, and read back.
+        let f16 = case("gemma3/q4_k_m/cpu-avx2/tp1-shm/chunked-kvf16");
+        let json = serde_json::to_string(&f16).unwrap_or_default();
+        assert!(json.ends_with(r#","kv":"f16"}"#), "{json}");
+        let back: Case = serde_json::from_str(&json).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(back, f16);
         assert!("llama/q8_0/cpu-avx2/tp1-shm/prefill"
             .parse::<Case>()
             .is_err());

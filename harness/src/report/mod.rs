@@ -99,6 +99,11 @@ pub struct TapPoint {
     #[serde(with = "crate::float")]
     pub nmse_max: f64,
     pub passed: bool,
+    /// An f16 cache's rows: the mean signed error in f16 units, and its bound.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rounding_bias: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rounding_bias_max: Option<f64>,
 }
 
 impl CaseResult {
@@ -188,6 +193,8 @@ impl CaseResult {
                     nmse: t.metrics.nmse,
                     nmse_max: t.tolerance.nmse_max,
                     passed: t.passed(),
+                    rounding_bias: t.metrics.rounding_bias,
+                    rounding_bias_max: t.tolerance.rounding_bias_max,
                 })
                 .collect(),
         });

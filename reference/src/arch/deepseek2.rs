@@ -28,6 +28,7 @@ use candle_core::{DType, Device, Tensor};
 use super::glm_dsa::{Dsa, Indexer, IndexerScores};
 use super::{Experts, Layers, Loader, Streamer, Vocab};
 use crate::error::ReferenceError;
+use crate::numerics::CacheDtype;
 use crate::ops::{
     attention, causal_mask, gated_ffn, linear, rms_norm, tap, Activation, Result, Rope, RopeLayout,
     Taps, Weight,
@@ -108,6 +109,9 @@ pub(crate) struct Deepseek2 {
     layers: Layers<Layer>,
     /// `glm-dsa`: DeepSeek Sparse Attention.
     dsa: Option<Dsa>,
+    /// What attention (and the indexer) reads back from the KV cache (exact-numerics mode may
+    /// round it): the latent row, and the indexer's key row.
+    pub(crate) cache: CacheDtype,
 }
 
 impl Deepseek2 {
@@ -227,6 +231,7 @@ impl Deepseek2 {
             output_norm,
             layers: Layers::Eager(Vec::new()),
             dsa,
+            cache: CacheDtype::F32,
         };
         m.layers = Layers::load(ld, n_layer, src, |ld, i| m.load_layer(ld, i))?;
         Ok(m)
@@ -448,6 +453,16 @@ impl Deepseek2 {
             let k_pe = self
                 .rope
                 .apply(&kv_a.narrow(1, self.kv_lora_rank, rd)?.reshape((n, 1, rd))?)?;
+            // The cache holds the latent row [c | k_pe]; keys and values are expanded from what
+            // it hands back (rounded to f16 with an f16 cache, CacheDtype).
+            let (c, k_pe) = if self.cache == CacheDtype::F32 {
+                (c, k_pe)
+            } else {
+                let (c, k_pe) = (self.cache.apply(&c)?, self.cache.apply(&k_pe)?);
+                let latent = Tensor::cat(&[&c, &k_pe.reshape((n, rd))?], 1)?;
+                tap(taps, &name("kv_cache"), &latent)?;
+                (c, k_pe)
+            };
             let (k_nope, v) = match &l.kv_b {
                 KvUp::Fused(w) => {
                     let kv = linear(&c, w)?.reshape((n, h, nope + vd))?;
@@ -480,7 +495,7 @@ impl Deepseek2 {
                             "glm-dsa full layer {i} without its indexer or query latent"
                         )));
                     };
-                    let selected = dsa.select(ix, &a_in, qr, i, selections, taps)?;
+                    let selected = dsa.select(ix, &a_in, qr, i, selections, self.cache, taps)?;
                     sparse = Some(Dsa::mask(&selected, x.dtype())?);
                 }
             }

@@ -16,8 +16,9 @@ use std::sync::Arc;
 
 use candle_core::Tensor;
 
-use super::{Layers, Loader, Streamer, Vocab};
+use super::{cached_kv, Layers, Loader, Streamer, Vocab};
 use crate::error::ReferenceError;
+use crate::numerics::CacheDtype;
 use crate::ops::{
     attention, causal_mask, gated_ffn, linear, rms_norm, tap, Activation, Result, Rope, RopeLayout,
     Taps, Weight,
@@ -57,6 +58,8 @@ pub(crate) struct Gemma3 {
     vocab: Vocab,
     output_norm: Tensor,
     layers: Layers<Layer>,
+    /// What attention reads back from the KV cache (exact-numerics mode may round it).
+    pub(crate) cache: CacheDtype,
 }
 
 impl Gemma3 {
@@ -117,6 +120,7 @@ impl Gemma3 {
             vocab,
             output_norm,
             layers: Layers::Eager(Vec::new()),
+            cache: CacheDtype::F32,
         };
         m.layers = Layers::load(ld, n_layer, src, |ld, i| m.load_layer(ld, i))?;
         Ok(m)
@@ -190,6 +194,7 @@ impl Gemma3 {
             tap(taps, &name("q"), &q)?;
             tap(taps, &name("k"), &k)?;
             tap(taps, &name("v"), &v)?;
+            let (k, v) = cached_kv(self.cache, &k, &v, i, taps)?;
             let a = attention(&q, &k, &v, self.q_scale, mask)?;
             tap(taps, &name("attn"), &a)?;
             let a = rms_norm(&linear(&a, &l.wo)?, &l.post_attn_norm, self.eps)?;

@@ -36,6 +36,7 @@ use candle_core::{DType, Device, Tensor, D};
 
 use super::Loader;
 use crate::error::ReferenceError;
+use crate::numerics::CacheDtype;
 use crate::ops::{linear, tap, Result, Rope, RopeLayout, Taps, Weight};
 use crate::ForcedSelections;
 
@@ -178,6 +179,9 @@ impl Dsa {
     /// The indexer of layer `i` on the attention input `x` `[n, n_embd]` and the normed query
     /// latent `q_latent` `[n, q_lora_rank]`: each query's selected positions (ascending), and
     /// the tap `blk.{i}.indexer_top_k`. A query of `forced` takes its given positions instead.
+    /// The keys are scored as the indexer's cache hands them back (`cache`: rounded to f16,
+    /// and then also the tap `blk.{i}.indexer_k_cache`, with an f16 cache).
+    #[allow(clippy::too_many_arguments)]
     pub fn select(
         &self,
         ix: &Indexer,
@@ -185,6 +189,7 @@ impl Dsa {
         q_latent: &Tensor,
         i: usize,
         forced: &ForcedSelections,
+        cache: CacheDtype,
         taps: Taps<'_>,
     ) -> Result<Vec<Vec<usize>>> {
         let n = x.dim(0)?;
@@ -194,6 +199,13 @@ impl Dsa {
             .apply(&linear(q_latent, &ix.q_b)?.reshape((n, h, hd))?)?;
         let k = layer_norm(&linear(x, &ix.k)?, &ix.k_norm, &ix.k_norm_b, self.eps)?;
         let k = self.rope.apply(&k.reshape((n, 1, hd))?)?.reshape((n, hd))?;
+        let k = if cache == CacheDtype::F32 {
+            k
+        } else {
+            let k = cache.apply(&k)?;
+            tap(taps, &format!("blk.{i}.indexer_k_cache"), &k)?;
+            k
+        };
         let w = (linear(x, &ix.proj)? * (1.0 / ((h * hd) as f64).sqrt()))?; // [n, h]
                                                                             // [h, n, hd] · [hd, n] → [h, n_query, n_key]; ReLU; weighted by w[query, h]; summed.
         let dots = q

@@ -8,7 +8,8 @@ use std::sync::Arc;
 
 use candle_core::Tensor;
 
-use super::{Layers, Loader, Streamer, Vocab};
+use super::{cached_kv, Layers, Loader, Streamer, Vocab};
+use crate::numerics::CacheDtype;
 use crate::ops::{
     attention, causal_mask, gated_ffn, linear, rms_norm, tap, Activation, Result, Rope, RopeLayout,
     Taps, Weight,
@@ -38,6 +39,8 @@ pub(crate) struct Llama {
     vocab: Vocab,
     output_norm: Tensor,
     layers: Layers<Layer>,
+    /// What attention reads back from the KV cache (exact-numerics mode may round it).
+    pub(crate) cache: CacheDtype,
 }
 
 impl Llama {
@@ -73,6 +76,7 @@ impl Llama {
             vocab,
             output_norm,
             layers: Layers::Eager(Vec::new()),
+            cache: CacheDtype::F32,
         };
         m.layers = Layers::load(ld, n_layer, src, |ld, i| m.load_layer(ld, i))?;
         Ok(m)
@@ -133,6 +137,7 @@ impl Llama {
             tap(taps, &name("q"), &q)?;
             tap(taps, &name("k"), &k)?;
             tap(taps, &name("v"), &v)?;
+            let (k, v) = cached_kv(self.cache, &k, &v, i, taps)?;
             let a = attention(&q, &k, &v, scale, &mask)?;
             tap(taps, &name("attn"), &a)?;
             let a = linear(&a, &l.wo)?;

@@ -18,8 +18,29 @@ use candle_core::{DType, Device, Tensor};
 
 use crate::error::ReferenceError;
 use crate::gguf::GgufFile;
-use crate::numerics::ActQuant;
+use crate::numerics::{ActQuant, CacheDtype};
 use crate::ops::{Result, Weight};
+
+/// A dense layer's keys `[n, n_head_kv, dk]` and values `[n, n_head_kv, dv]` as attention reads
+/// them back from a cache holding `cache` (each token's K row after RoPE and its V row are what
+/// the engine writes, [`CacheDtype`]). With an f16 cache the rounded rows are also the tap
+/// `blk.{layer}.kv_cache`, `[n, n_head_kv·(dk + dv)]`: each token's K row, then its V row.
+pub(crate) fn cached_kv(
+    cache: CacheDtype,
+    k: &Tensor,
+    v: &Tensor,
+    layer: usize,
+    taps: crate::ops::Taps<'_>,
+) -> Result<(Tensor, Tensor)> {
+    if cache == CacheDtype::F32 {
+        return Ok((k.clone(), v.clone()));
+    }
+    let (k, v) = (cache.apply(k)?, cache.apply(v)?);
+    let n = k.dim(0)?;
+    let row = Tensor::cat(&[&k.reshape((n, ()))?, &v.reshape((n, ()))?], 1)?;
+    crate::ops::tap(taps, &format!("blk.{layer}.kv_cache"), &row)?;
+    Ok((k, v))
+}
 
 /// Reads weights from a [`GgufFile`], checking each shape and converting to the compute dtype.
 pub(crate) struct Loader<'a> {

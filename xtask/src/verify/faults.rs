@@ -308,6 +308,15 @@ const FAULTS: &[Expectation] = &[
         case: "llama/f16/*/tp1-shm/serve",
         expect: "gate:concurrent",
     },
+    // The f16 cache truncates instead of rounding to nearest: every value it changes moves one
+    // f16 unit toward zero (half of them), NMSE ~2e-7, under the q/k/v bound (4e-6) of the cache
+    // rows and of every tap after them; the cache rows' rounding bias (−½ unit against ±⅛) is
+    // the first to see it. The gemma3 fixture's layer 0 is its first cached row (K and V).
+    Expectation {
+        fault: Fault::KvF16Truncates,
+        case: "gemma3/q4_k_m/*/tp1-shm/chunked-kvf16",
+        expect: "blk.0.kv_cache",
+    },
 ];
 
 struct Outcome {

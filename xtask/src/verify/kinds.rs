@@ -16,7 +16,7 @@ use std::time::Instant;
 use anyhow::{ensure, Result};
 use engine::exec::{self, AnyEngine, Topology};
 use engine::tokenizer::Tokenizer;
-use harness::cases::{Case, PathMode, Spec};
+use harness::cases::{Case, KvCache, PathMode, Spec};
 use harness::report::CaseResult;
 use harness::throughput::Baseline;
 
@@ -64,6 +64,11 @@ impl Kinds {
         env: &CaseEnv<'_>,
         refs: &mut ReferenceCache,
     ) -> Result<Outcome> {
+        ensure!(
+            case.kv == KvCache::F32 || matches!(case.path, PathMode::Chunked | PathMode::Decode),
+            "{}: an f16 KV cache is verified on the chunked and decode paths only",
+            case.name()
+        );
         let (result, measured) = match self.kinds.iter_mut().find(|k| k.runs(case)) {
             Some(kind) => kind.run(case, env, refs)?,
             None => anyhow::bail!("{}: no kind of case runs spec {}", case.name(), case.spec),
@@ -246,6 +251,8 @@ mod tests {
         check("llama/q8_0/cpu-avx2/tp1-shm/tree-b8k4", 2);
         check("llama/q8_0/cpu-avx2/tp1-shm/chunked", 3);
         check("llama/q8_0/cpu-avx2/tp1-shm/decode", 3);
+        check("gemma3/q4_k_m/cpu-avx2/tp1-shm/chunked-kvf16", 3);
+        check("glm-dsa/q8_0/cpu-avx2/tp1-shm/decode-kvf16", 3);
         check("llama/q8_0/cpu-avx2/tp1-shm/off", 4);
         check("llama/q8_0/cpu-avx2/tp2-shm/off", 4);
     }

@@ -41,7 +41,8 @@ pub struct Args {
     /// Only cases whose name matches this glob (`*`, `?`); repeatable
     #[arg(long)]
     pub filter: Vec<String>,
-    /// Only cases with AXIS=VALUE (axes: model, weights, backend, tp, topology, path, spec); repeatable
+    /// Only cases with AXIS=VALUE (axes: model, weights, backend, tp, topology, path, spec, kv:
+    /// f32 or f16, the engine's KV cache); repeatable
     #[arg(long)]
     pub only: Vec<String>,
     /// Drop cases whose name matches this glob; repeatable

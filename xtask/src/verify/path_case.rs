@@ -28,15 +28,16 @@ use std::time::Instant;
 
 use anyhow::{anyhow, bail, ensure, Context, Result};
 use engine::exec::{AnyEngine, BatchEngine, Session};
+use engine::runtime::KvDtype;
 use engine::tokenizer::Tokenizer;
-use harness::cases::{Backend, Case, PathMode};
+use harness::cases::{Backend, Case, KvCache, PathMode};
 use harness::coherence::{LogitAccumulator, LogitStats};
 use harness::compare::{ChunkedComparison, Comparison};
 use harness::gate::GateResult;
 use harness::report::{CaseResult, Figure};
 use harness::tap::{Tap, TapKind};
 use harness::tolerance::{CaseContext, Numerics, TolerancePolicy};
-use reference::{IndexerScores, Precision, ReferenceModel, Residency, Routing};
+use reference::{CacheDtype, IndexerScores, Precision, ReferenceModel, Residency, Routing};
 
 use super::common::TEXT;
 use super::gates::{logit_thresholds, tokens_gate};
@@ -126,9 +127,14 @@ pub fn schedule(path: PathMode, n: usize, from: DecodeFrom) -> Result<Vec<usize>
 }
 
 /// The reference's side of the path cases of one model: the text's ids, every tap but the
-/// logits in f32 and in exact numerics, and both models kept for their heads.
+/// logits in f32 and in exact numerics, and both models kept for their heads. The exact side
+/// rounds its KV cache as the case's engine does (`kv`): an f16 case reruns only the exact
+/// pass, with `reference::CacheDtype::F16`, and the f32 pass stays the unrounded forward the
+/// engine's end-to-end error is measured against.
 pub struct PathReference {
     key: (PathBuf, usize),
+    /// The KV cache the exact side rounds like.
+    kv: KvCache,
     text_ids: Vec<u32>,
     tokens: Vec<u32>,
     f32_model: ReferenceModel,
@@ -148,7 +154,7 @@ pub struct PathReference {
 pub struct PathRefs(Option<PathReference>);
 
 impl PathRefs {
-    fn get(&mut self, path: &Path, real: bool) -> Result<&PathReference> {
+    fn get(&mut self, path: &Path, real: bool, kv: KvCache) -> Result<&PathReference> {
         let want = if real { None } else { Some(FIXTURE_TOKENS) };
         let fresh = match &self.0 {
             Some(r) => r.key.0 != path || want.is_some_and(|n| n != r.key.1),
@@ -156,18 +162,57 @@ impl PathRefs {
         };
         if fresh {
             self.0 = None; // drop the previous model's before loading the next
-            self.0 = Some(PathReference::run(path, want)?);
+            self.0 = Some(PathReference::run(path, want, kv)?);
         }
-        self.0
-            .as_ref()
-            .ok_or_else(|| anyhow!("path reference for {} vanished", path.display()))
+        let r = self
+            .0
+            .as_mut()
+            .ok_or_else(|| anyhow!("path reference for {} vanished", path.display()))?;
+        if r.kv != kv {
+            r.exact_with_cache(kv)?;
+        }
+        Ok(r)
     }
+}
+
+/// The reference's rounding of a case's KV cache.
+fn cache_dtype(kv: KvCache) -> CacheDtype {
+    match kv {
+        KvCache::F32 => CacheDtype::F32,
+        KvCache::F16 => CacheDtype::F16,
+    }
+}
+
+/// The engine's KV cache of a case.
+fn kv_dtype(kv: KvCache) -> KvDtype {
+    match kv {
+        KvCache::F32 => KvDtype::F32,
+        KvCache::F16 => KvDtype::F16,
+    }
+}
+
+/// The reference's taps (all but the logits) and indexer scores of one forward over `tokens`.
+fn hidden_taps(
+    m: &ReferenceModel,
+    tokens: &[u32],
+    what: &str,
+) -> Result<(Vec<Tap>, IndexerScores)> {
+    let mut taps = Vec::new();
+    let (_, scores) = m
+        .forward_hidden_scored(
+            tokens,
+            &Default::default(),
+            &Default::default(),
+            &mut |name, shape, data| taps.push(Tap::new(name, shape.to_vec(), data.to_vec())),
+        )
+        .with_context(|| format!("{what} reference forward pass over {} tokens", tokens.len()))?;
+    Ok((taps, scores))
 }
 
 impl PathReference {
     /// Tokenize the text with the reference's tokenizer, take `n` tokens (all of the text on
     /// the real model) and run both reference precisions over them without the head.
-    fn run(path: &Path, n: Option<usize>) -> Result<PathReference> {
+    fn run(path: &Path, n: Option<usize>, kv: KvCache) -> Result<PathReference> {
         let started = Instant::now();
         let open = |p: Precision| {
             ReferenceModel::open(path, p, Residency::Eager)
@@ -187,28 +232,19 @@ impl PathReference {
             path.display()
         );
         let tokens = text_ids[..n.unwrap_or(text_ids.len())].to_vec();
-        let hidden_taps = |m: &ReferenceModel, what: &str| -> Result<(Vec<Tap>, IndexerScores)> {
-            let mut taps = Vec::new();
-            let (_, scores) = m
-                .forward_hidden_scored(
-                    &tokens,
-                    &Default::default(),
-                    &Default::default(),
-                    &mut |name, shape, data| {
-                        taps.push(Tap::new(name, shape.to_vec(), data.to_vec()))
-                    },
-                )
-                .with_context(|| {
-                    format!("{what} reference forward pass over {} tokens", tokens.len())
-                })?;
-            Ok((taps, scores))
-        };
-        let (f32_taps, _) = hidden_taps(&f32_model, "f32")?;
-        let exact_model = open(Precision::Exact)?;
-        let (exact_taps, exact_scores) = hidden_taps(&exact_model, "exact-numerics")?;
+        let (f32_taps, _) = hidden_taps(&f32_model, &tokens, "f32")?;
+        let exact_model = open(Precision::Exact)?
+            .with_cache_dtype(cache_dtype(kv))
+            .context("the exact reference's KV cache")?;
+        let (exact_taps, exact_scores) = hidden_taps(
+            &exact_model,
+            &tokens,
+            &format!("exact-numerics ({kv} cache)"),
+        )?;
         let routing = super::routes::routing_of(&exact_model, &exact_taps)?;
         Ok(PathReference {
             key: (path.to_owned(), tokens.len()),
+            kv,
             text_ids,
             tokens,
             f32_model,
@@ -220,6 +256,37 @@ impl PathReference {
             seconds: started.elapsed().as_secs_f64(),
         })
     }
+}
+
+impl PathReference {
+    /// Rerun the exact-numerics pass with its KV cache rounded as `kv` says (the f32 pass,
+    /// the model and the text are kept).
+    fn exact_with_cache(&mut self, kv: KvCache) -> Result<()> {
+        let started = Instant::now();
+        self.exact_model
+            .set_cache_dtype(cache_dtype(kv))
+            .context("the exact reference's KV cache")?;
+        // Drop the old taps before the new pass makes its own.
+        self.exact_taps = Vec::new();
+        let (taps, scores) = hidden_taps(
+            &self.exact_model,
+            &self.tokens,
+            &format!("exact-numerics ({kv} cache)"),
+        )?;
+        self.routing = super::routes::routing_of(&self.exact_model, &taps)?;
+        self.exact_taps = taps;
+        self.exact_scores = scores;
+        self.kv = kv;
+        self.seconds += started.elapsed().as_secs_f64();
+        Ok(())
+    }
+}
+
+/// Whether a tap shows what the engine's f16 cache holds (`blk.{i}.kv_cache`,
+/// `blk.{i}.indexer_k_cache`): compared with the exact reference, which rounds its cache the
+/// same way; the f32 reference has no cache rounding, so the end-to-end side leaves them out.
+fn is_cache_tap(t: &Tap) -> bool {
+    harness::tap::TapId::parse(&t.name).is_some_and(|id| id.kind.is_cache())
 }
 
 /// Rows `rows` of every tap (copies, `[rows, width]`).
@@ -283,6 +350,9 @@ fn call(
         .with_context(|| format!("engine forward over positions {}..{}", rows.start, rows.end))?;
     let mut taps = obs.taps;
     let logits = take_logits(&mut taps)?;
+    if isolate.is_none() {
+        taps.retain(|t| !is_cache_tap(t));
+    }
     let mut reference = slice_rows(check.reference, &rows);
     if let Some((r, all_flips)) = isolate {
         let router_bound = policy.exact_tolerance(TapKind::Router, check.ctx).nmse_max;
@@ -384,6 +454,7 @@ impl Held {
         })?;
         let mut taps = obs.taps;
         let logits = take_logits(&mut taps)?;
+        taps.retain(|t| !is_cache_tap(t));
         self.calls.push((rows.clone(), taps));
         Ok(logits)
     }
@@ -506,8 +577,10 @@ fn compare_paths(
     let mut full = ChunkedComparison::new();
     let mut stats = LogitAccumulator::new(n_vocab)?;
     let mut noise = LogitAccumulator::new(n_vocab)?;
-    let mut iso_session = Session::new(engine, n + 1)?;
-    let mut session = Session::new(engine, n + 1)?;
+    // Both runs keep the case's cache (end to end: what a user of `--kv-dtype` gets).
+    let dtype = kv_dtype(r.kv);
+    let mut iso_session = Session::with_cache(engine, n + 1, dtype)?;
+    let mut session = Session::with_cache(engine, n + 1, dtype)?;
     let mut pending = Pending::default();
     let mut flips = Flips::default();
     // A model with choices that can flip at a near-tie (experts, indexer selections).
@@ -705,7 +778,7 @@ pub fn run(
     let started = Instant::now();
     let name = case.name();
     let ctx = case.context()?;
-    let r = refs.get(path, real)?;
+    let r = refs.get(path, real, case.kv)?;
     let engine_text = tokenizer
         .encode(TEXT, true, false)
         .context("engine: tokenizing the fixed text")?;
@@ -746,6 +819,7 @@ pub fn run(
     // NMSE 2.9e-5) measured blk.5.ffn_out NMSE 0.019 (chunked) and 0.030 (decode) in a 64-row
     // block against that bound's 0.015. End to end, the logit gates judge it (KL, top-1, ppl).
     let iso_rows = c.isolated.divergent_rows();
+    let worst_block_bias = c.isolated.worst_block_rounding_bias();
     let isolated: Comparison = c.isolated.finish();
     let full: Comparison = c.full.finish();
     let mode = iso_rows.map_or(String::new(), |rows| {
@@ -773,6 +847,22 @@ pub fn run(
         figures.push(Figure::new(
             "e2e_selection_flips_followed",
             c.followed.1 as f64,
+            "",
+        ));
+    }
+    // An f16 cache: its rows' largest NMSE and rounding bias (f16 units; bound ±⅛), over every
+    // row, and the bias farthest from zero of any judged block.
+    let cache_taps = || isolated.taps.iter().filter(|t| t.kind.is_cache());
+    if case.kv == KvCache::F16 {
+        let bias = cache_taps()
+            .filter_map(|t| t.metrics.rounding_bias)
+            .fold(0.0, |m: f64, b| if b.abs() > m.abs() { b } else { m });
+        let nmse = cache_taps().map(|t| t.metrics.nmse).fold(0.0, f64::max);
+        figures.push(Figure::new("kv_cache_max_nmse", nmse, ""));
+        figures.push(Figure::new("kv_cache_bias_units", bias, ""));
+        figures.push(Figure::new(
+            "kv_cache_block_bias_units",
+            worst_block_bias.unwrap_or(0.0),
             "",
         ));
     }

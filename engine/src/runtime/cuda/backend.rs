@@ -1120,6 +1120,49 @@ pub fn self_test(
     ))
 }
 
+impl CudaBackend {
+    /// Cells `0..n_cells` of one side (`store`, rows of `width`, `reserved` cells) of a cache
+    /// layer as f32 rows: [`Backend::kv_read_k`] and `kv_read_v` (`op` names which).
+    fn kv_read_rows(
+        &self,
+        store: &KvStore,
+        width: usize,
+        reserved: usize,
+        n_cells: usize,
+        out: &mut Dev<f32>,
+        op: &'static str,
+    ) -> Result<(), RuntimeError> {
+        let (cells_op, out_op) = match op {
+            "kv_read_v" => ("kv_read_v cells (<= reserved)", "kv_read_v output"),
+            _ => ("kv_read_k cells (<= reserved)", "kv_read_k output"),
+        };
+        check_len(out_op, n_cells * width, out.len())?;
+        if n_cells > reserved {
+            return Err(shape(cells_op, reserved, n_cells));
+        }
+        let n = n_cells * width;
+        if n == 0 {
+            return Ok(());
+        }
+        match store {
+            KvStore::F32(s) => self
+                .stream
+                .memcpy_dtod(&s.slice(..n), &mut out.mem.slice_mut(..n))
+                .map_err(drv),
+            // Kernel f16_to_f32_rows(const u16* src, float* dst, u64 n).
+            KvStore::F16(s) => self.launch(
+                "f16_to_f32_rows",
+                Self::grid(n),
+                &[
+                    Arg::Ptr(self.ptr(s)),
+                    Arg::Ptr(self.ptr(out)),
+                    Arg::U64(n as u64),
+                ],
+            ),
+        }
+    }
+}
+
 impl Backend for CudaBackend {
     type Buf = Dev<f32>;
     type Ids = Dev<u32>;
@@ -1966,30 +2009,16 @@ impl Backend for CudaBackend {
         n_cells: usize,
         out: &mut Dev<f32>,
     ) -> Result<(), RuntimeError> {
-        check_len("kv_read_k output", n_cells * kv.k_width, out.len())?;
-        if n_cells > kv.n_cells {
-            return Err(shape("kv_read_k cells (<= reserved)", kv.n_cells, n_cells));
-        }
-        let n = n_cells * kv.k_width;
-        if n == 0 {
-            return Ok(());
-        }
-        match &kv.k {
-            KvStore::F32(s) => self
-                .stream
-                .memcpy_dtod(&s.slice(..n), &mut out.mem.slice_mut(..n))
-                .map_err(drv),
-            // Kernel f16_to_f32_rows(const u16* src, float* dst, u64 n).
-            KvStore::F16(s) => self.launch(
-                "f16_to_f32_rows",
-                Self::grid(n),
-                &[
-                    Arg::Ptr(self.ptr(s)),
-                    Arg::Ptr(self.ptr(out)),
-                    Arg::U64(n as u64),
-                ],
-            ),
-        }
+        self.kv_read_rows(&kv.k, kv.k_width, kv.n_cells, n_cells, out, "kv_read_k")
+    }
+
+    fn kv_read_v(
+        &self,
+        kv: &CudaKv,
+        n_cells: usize,
+        out: &mut Dev<f32>,
+    ) -> Result<(), RuntimeError> {
+        self.kv_read_rows(&kv.v, kv.v_width, kv.n_cells, n_cells, out, "kv_read_v")
     }
 
     fn attention(
