@@ -59,6 +59,16 @@ fn hash(ctx: &[u32], salt: u64) -> u64 {
 /// unlikely ones, and one that ignores it.
 type Table = Box<dyn FnMut(&[u32]) -> Vec<(u32, f64)>>;
 
+/// [`drafters`]' tables as proposers, and the n-gram drafter beside them.
+fn every_drafter(v: u32, target: fn(&[u32]) -> Vec<f64>) -> Vec<(&'static str, Box<dyn Proposer>)> {
+    let mut all: Vec<(&str, Box<dyn Proposer>)> = drafters(v, target)
+        .into_iter()
+        .map(|(n, t)| (n, Box::new(TableProposer { table: t }) as Box<dyn Proposer>))
+        .collect();
+    all.push(("ngram", Box::new(NgramProposer::new(2048))));
+    all
+}
+
 fn drafters(v: u32, target: fn(&[u32]) -> Vec<f64>) -> Vec<(&'static str, Table)> {
     let ranked = move |ctx: &[u32], best_first: bool| {
         let p = target(ctx);
@@ -267,11 +277,7 @@ fn emitted_sequences_follow_a_law_of_arbitrary_rational_probabilities_exactly() 
     let prompts = [vec![0u32], vec![2, 1, 0, 2, 1, 0, 2]];
     for prompt in &prompts {
         let want = law997(prompt);
-        let mut drafters: Vec<(&str, Box<dyn Proposer>)> = drafters(V3, k997_probs)
-            .into_iter()
-            .map(|(n, t)| (n, Box::new(TableProposer { table: t }) as Box<dyn Proposer>))
-            .collect();
-        drafters.push(("ngram", Box::new(NgramProposer::new(2048))));
+        let mut drafters = every_drafter(V3, k997_probs);
         for (name, d) in &mut drafters {
             for shape in shapes() {
                 let mut got: HashMap<Vec<u32>, u128> = HashMap::new();
@@ -391,11 +397,7 @@ fn speculative_sampling_consumes_the_random_stream_as_plain_sampling_does() {
         for seed in 0..12 {
             let cfg = SamplerConfig { seed, ..cfg };
             let want = plain(&prompt, cfg);
-            let mut drafters: Vec<(&str, Box<dyn Proposer>)> = drafters(V, logit_probs)
-                .into_iter()
-                .map(|(n, t)| (n, Box::new(TableProposer { table: t }) as Box<dyn Proposer>))
-                .collect();
-            drafters.push(("ngram", Box::new(NgramProposer::new(2048))));
+            let mut drafters = every_drafter(V, logit_probs);
             for (name, d) in &mut drafters {
                 for shape in shapes() {
                     let got = speculative(&prompt, cfg, d.as_mut(), shape);

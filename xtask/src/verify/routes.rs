@@ -372,7 +372,7 @@ pub fn near_tie_gate(
 /// The taps of a layer a forced run replaces: from the indexer on after a followed selection,
 /// the MoE output and the layer's output after followed experts.
 const AFTER_EXPERTS: [&str; 2] = ["ffn_out", "out"];
-const AFTER_SELECTION: [&str; 7] = [
+pub(super) const AFTER_SELECTION: [&str; 7] = [
     "indexer_top_k",
     "attn",
     "attn_out",

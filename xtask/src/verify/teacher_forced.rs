@@ -617,15 +617,7 @@ mod tests {
         let followed = follow_flips(src, &run, &following)
             .unwrap_or_else(|e| panic!("{e:#}"))
             .expect("followed taps");
-        let own = [
-            "indexer_top_k",
-            "attn",
-            "attn_out",
-            "ffn_norm",
-            "router",
-            "ffn_out",
-            "out",
-        ];
+        let own = super::super::routes::AFTER_SELECTION;
         for (a, b) in run.exact_taps.iter().zip(&followed) {
             assert_eq!(a.name, b.name);
             let w = a.shape[1];
